@@ -1,0 +1,1 @@
+"""The `ligertune` command line: one module per command, each a thin wrapper over the library."""

@@ -1,0 +1,66 @@
+"""The `ligertune` app: registers one command per module and maps user errors to one line, exit 2."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Annotated
+
+import typer
+
+from ligertune.cli.guard import guarded
+
+app = typer.Typer(
+    name="ligertune",
+    help="Fine-tune causal language models on packed multi-turn chat data with Triton kernels.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+
+
+@app.callback()
+def _root(
+    debug: Annotated[
+        bool, typer.Option("--debug", help="Show the full traceback of errors (also LIGERTUNE_DEBUG=1).")
+    ] = False,
+) -> None:
+    if debug:
+        os.environ["LIGERTUNE_DEBUG"] = "1"
+
+
+def _register() -> None:
+    from ligertune.cli import env, recipes, train, validate
+
+    app.command("train")(guarded(train.train))
+    app.command("validate")(guarded(validate.validate))
+    app.command("env")(guarded(env.env))
+    app.add_typer(recipes.app, name="recipes")
+    for name, module in _optional_commands():
+        app.command(name)(guarded(module))
+
+
+def _optional_commands():
+    """Commands whose modules are present in this build."""
+    import importlib
+
+    for name, module_name, attr in (
+        ("data", "ligertune.cli.data", "data"),
+        ("verify-loss", "ligertune.cli.verify_loss", "verify_loss"),
+    ):
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name != module_name:
+                raise
+            continue
+        yield name, getattr(module, attr)
+
+
+_register()
+
+
+def main() -> None:
+    """Console-script entry point."""
+    sys.exit(app())

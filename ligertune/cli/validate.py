@@ -1,0 +1,31 @@
+"""`ligertune validate`: check a recipe, its data and its model without training."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from ligertune.cli.options import RecipeArg, SetOpt
+
+
+def validate(recipe: RecipeArg, set_: SetOpt = None) -> None:
+    """Check the recipe's schema, that its data files are readable and well-formed, and that its
+    tokenizer and model resolve. Nothing is trained.
+
+    Example: [bold]ligertune validate recipes/quickstart.yaml --set data.max_seq_len=512[/]
+    """
+    from ligertune.data import prepare_data
+    from ligertune.models import check_model, load_tokenizer
+    from ligertune.recipe import load_recipe
+
+    console = Console()
+    loaded = load_recipe(recipe, list(set_ or []))
+    console.print(f"[green]ok[/] recipe {recipe}")
+    tokenizer = load_tokenizer(loaded.model)
+    console.print(f"[green]ok[/] tokenizer {type(tokenizer).__name__}, {len(tokenizer)} tokens")
+    console.print(f"[green]ok[/] model {check_model(loaded.model)}")
+    data = prepare_data(loaded.data, tokenizer, seed=loaded.train.seed, show_progress=False)
+    stats = data.stats
+    console.print(
+        f"[green]ok[/] data: {len(data.train)} train and {len(data.eval)} eval conversations "
+        f"({stats.summary()})"
+    )

@@ -1,0 +1,25 @@
+"""Errors that are the user's to fix.
+
+Every exception here is printed by the CLI as one line and exits with code 2; anything else is a
+bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A mistake in the user's input (recipe, data, arguments): reported in one line, exit 2."""
+
+
+class RecipeError(UserError):
+    """One or more problems in a recipe, each naming its YAML key path."""
+
+    def __init__(self, problems: list[str], source: str | None = None):
+        self.problems = list(problems)
+        self.source = source
+        where = f"{source}: " if source else ""
+        super().__init__("\n".join(f"{where}{p}" for p in self.problems))
+
+
+class DataError(UserError):
+    """Malformed or unreadable training data; the message names the file and line."""

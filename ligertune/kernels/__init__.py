@@ -1,0 +1,64 @@
+"""Kernels: Triton on CUDA, the pure-torch twins of `reference` elsewhere.
+
+`LIGERTUNE_KERNELS=triton|reference` forces a path (`triton` on a CPU needs `TRITON_INTERPRET=1`).
+The choice is made per call from the inputs' device, so one process can hold CPU and CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ligertune.kernels.types import LossOutput
+
+__all__ = [
+    "LossOutput",
+    "active_path",
+    "apply_rope",
+    "fused_linear_cross_entropy",
+    "rms_norm",
+    "swiglu",
+]
+
+_PATHS = ("triton", "reference")
+
+
+def active_path(device: torch.device | str | None = None) -> str:
+    """The path a call on `device` takes: the forced one, else triton on CUDA and reference elsewhere."""
+    forced = os.environ.get("LIGERTUNE_KERNELS", "").strip().lower()
+    if forced:
+        if forced not in _PATHS:
+            raise ValueError(f"LIGERTUNE_KERNELS must be one of {_PATHS}, got {forced!r}")
+        return forced
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return "triton" if torch.device(device).type == "cuda" else "reference"
+
+
+def _impl(name: str, device: torch.device):
+    if active_path(device) == "triton":
+        from ligertune.kernels import triton_ops as ops
+    else:
+        from ligertune.kernels import reference as ops
+    return getattr(ops, name)
+
+
+def fused_linear_cross_entropy(hidden, weight, targets, **kwargs) -> LossOutput:
+    """Cross-entropy of `hidden @ weight.T` without materializing the logits; see `reference`."""
+    return _impl("fused_linear_cross_entropy", hidden.device)(hidden, weight, targets, **kwargs)
+
+
+def rms_norm(x, weight, eps: float = 1e-6, offset: float = 0.0):
+    """`x / rms(x) * (offset + weight)`, computed in float32."""
+    return _impl("rms_norm", x.device)(x, weight, eps, offset)
+
+
+def apply_rope(q, k, cos, sin):
+    """Rotate `q` and `k` by the rotary embedding `cos`/`sin` (taken per position id)."""
+    return _impl("apply_rope", q.device)(q, k, cos, sin)
+
+
+def swiglu(gate, up):
+    """`silu(gate) * up`."""
+    return _impl("swiglu", gate.device)(gate, up)

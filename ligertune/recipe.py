@@ -1,0 +1,597 @@
+"""The recipe: a typed, validated schema loaded from YAML, with `key=value` overrides.
+
+A recipe is plain YAML with one mapping per section (`model`, `data`, `kernels`, `loss`, `lora`,
+`optim`, `train`, `output`). Loading collects *every* problem before failing, each with its key path
+(`optim.lr: must be > 0, got -1`), with a "did you mean" for unknown keys, so one run of
+`ligertune validate` shows all that is wrong.
+
+Paths in a recipe (`model.name_or_path`, `model.tokenizer`, `data.path`, `data.sources[].path`,
+`data.eval_path`) are looked up next to the recipe file first, so a recipe and its data travel
+together; a path that is not there is kept as written (a hub id, or a path relative to the current
+directory). `output.dir` is relative to the current directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+from ligertune.errors import RecipeError
+
+
+def _field(default: Any = dataclasses.MISSING, doc: str = "", *, factory: Any = None) -> Any:
+    """A dataclass field that carries its documentation (shown by `docs/recipe.md` and `recipes show`)."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
+# --------------------------------------------------------------------------------------------------
+# Sections
+
+
+@dataclass
+class ModelConfig:
+    """Which model to train and how to run it."""
+
+    name_or_path: str | None = _field(
+        None, "Hub id or local directory of a pretrained model (config, weights, tokenizer)."
+    )
+    config: str | dict | None = _field(
+        None,
+        "Build the model from a config with random weights instead: a preset name "
+        "(see `ligertune.models.PRESETS`) or a mapping of config fields with `model_type`.",
+    )
+    tokenizer: str | None = _field(
+        None, "Hub id or local directory of the tokenizer; defaults to `name_or_path`."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _field(
+        "auto", "Parameter dtype: `auto` is bfloat16 on a GPU and float32 on a CPU."
+    )
+    attention: Literal["packed", "sdpa", "eager"] = _field(
+        "packed",
+        "`packed`: conversations in a pack attend only to themselves (varlen attention on CUDA, "
+        "a block-diagonal mask on CPU). `sdpa`/`eager`: the model's own attention, for padded batches.",
+    )
+    trust_remote_code: bool = _field(False, "Allow model code from the hub (off by default).")
+
+    def check(self) -> list[tuple[str, str]]:
+        if (self.name_or_path is None) == (self.config is None):
+            return [("", "give exactly one of `name_or_path` (pretrained) or `config` (random init)")]
+        if isinstance(self.config, dict) and "model_type" not in self.config:
+            return [("config", "a config mapping needs `model_type` (e.g. llama)")]
+        return []
+
+
+@dataclass
+class DataSource:
+    """One data source of several; `weight` or `samples` sets its share."""
+
+    path: str = _field(doc="Local .jsonl/.json/.parquet file, or a hub dataset name.")
+    format: Literal["auto", "messages", "sharegpt", "prompt_completion"] = _field(
+        "auto", "Record format; `auto` detects it from the first record."
+    )
+    split: str = _field("train", "Split to read when `path` is a hub dataset.")
+    weight: float | None = _field(None, "Relative share of this source (sampled with replacement).")
+    samples: int | None = _field(None, "Exact number of conversations to take from this source.")
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = []
+        if self.weight is not None and self.samples is not None:
+            problems.append(("", "give `weight` or `samples`, not both"))
+        if self.weight is not None and self.weight <= 0:
+            problems.append(("weight", f"must be > 0, got {self.weight}"))
+        if self.samples is not None and self.samples <= 0:
+            problems.append(("samples", f"must be > 0, got {self.samples}"))
+        return problems
+
+
+@dataclass
+class DataConfig:
+    """Chat data, how it is rendered, masked, truncated and packed."""
+
+    path: str | None = _field(None, "One source: local .jsonl/.json/.parquet file or hub dataset name.")
+    sources: list[DataSource] = _field(doc="Several sources, each with a weight or a sample count.", factory=list)
+    format: Literal["auto", "messages", "sharegpt", "prompt_completion"] = _field(
+        "auto", "Record format: OpenAI `messages`, ShareGPT `conversations`, or prompt/completion."
+    )
+    split: str = _field("train", "Split to read when `path` is a hub dataset.")
+    max_seq_len: int = _field(2048, "Tokens per pack (and the longest conversation kept).")
+    packing: bool = _field(True, "Pack several conversations per sequence (best-fit decreasing).")
+    truncation: Literal["drop_turns", "drop"] = _field(
+        "drop_turns",
+        "Too-long conversations: `drop_turns` removes trailing turns until it fits (keeping a "
+        "trained turn), `drop` drops the conversation. Both are counted and reported.",
+    )
+    train_on: Literal["assistant", "last_assistant", "all"] = _field(
+        "assistant", "Which tokens carry loss: every assistant turn, only the last one, or all."
+    )
+    on_bad_record: Literal["error", "skip"] = _field(
+        "error", "A malformed record stops with its file and line (`error`) or is skipped and counted."
+    )
+    eval_path: str | None = _field(None, "Held-out data for evaluation (same format rules).")
+    eval_fraction: float = _field(
+        0.0, "Share of the training conversations held out for evaluation when `eval_path` is unset."
+    )
+    num_workers: int | None = _field(None, "Processes for tokenization; default: all cores.")
+    cache_dir: str | None = _field(
+        "~/.cache/ligertune", "Where tokenized data is cached (keyed by data, tokenizer, settings); null disables."
+    )
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = []
+        if (self.path is None) == (not self.sources):
+            problems.append(("", "give exactly one of `path` (one source) or `sources` (several)"))
+        if self.max_seq_len < 8:
+            problems.append(("max_seq_len", f"must be >= 8, got {self.max_seq_len}"))
+        if not 0.0 <= self.eval_fraction < 1.0:
+            problems.append(("eval_fraction", f"must be in [0, 1), got {self.eval_fraction}"))
+        if self.eval_path is not None and self.eval_fraction > 0:
+            problems.append(("eval_fraction", "give `eval_path` or `eval_fraction`, not both"))
+        if self.num_workers is not None and self.num_workers < 1:
+            problems.append(("num_workers", f"must be >= 1, got {self.num_workers}"))
+        if self.sources and any(s.weight is not None for s in self.sources) and any(
+            s.samples is not None for s in self.sources
+        ):
+            problems.append(("sources", "use `weight` on every source or `samples` on every source, not a mix"))
+        return problems
+
+
+@dataclass
+class KernelsConfig:
+    """Which layers are replaced by ligertune's kernels."""
+
+    rms_norm: bool = _field(True, "RMSNorm layers.")
+    rope: bool = _field(True, "Rotary position embedding applied to q and k.")
+    swiglu: bool = _field(True, "The SwiGLU activation of the MLP.")
+    fused_linear_cross_entropy: bool = _field(
+        True, "Output projection + cross-entropy fused: the [tokens, vocab] logits are never stored."
+    )
+    loss_chunk_mib: int = _field(1024, "Memory budget of the fused loss for its chunk of logits, in MiB.")
+
+    def check(self) -> list[tuple[str, str]]:
+        if self.loss_chunk_mib < 1:
+            return [("loss_chunk_mib", f"must be >= 1, got {self.loss_chunk_mib}")]
+        return []
+
+
+@dataclass
+class LossConfig:
+    """The training objective, defined over one optimizer step (see docs/loss.md)."""
+
+    normalization: Literal["token", "sequence", "sum"] = _field(
+        "token",
+        "`token`: mean over every supervised token of the step; `sequence`: mean over conversations "
+        "of each conversation's token mean; `sum`: plain sum.",
+    )
+    z_loss_weight: float = _field(0.0, "Weight of the z-loss (log Z)^2 term; 0 disables it.")
+    label_smoothing: float = _field(0.0, "Label smoothing epsilon, in [0, 1).")
+    ignore_index: int = _field(-100, "Label value that carries no loss.")
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = []
+        if self.z_loss_weight < 0:
+            problems.append(("z_loss_weight", f"must be >= 0, got {self.z_loss_weight}"))
+        if not 0.0 <= self.label_smoothing < 1.0:
+            problems.append(("label_smoothing", f"must be in [0, 1), got {self.label_smoothing}"))
+        return problems
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters through peft; the base model is frozen (and still patched)."""
+
+    r: int = _field(16, "Adapter rank.")
+    alpha: float = _field(32, "Scaling numerator: adapters are scaled by alpha / r.")
+    dropout: float = _field(0.0, "Dropout on the adapter input.")
+    target_modules: str | list[str] = _field(
+        "all-linear", "Module names to adapt, or `all-linear` (every linear layer but the output)."
+    )
+    bias: Literal["none", "all", "lora_only"] = _field("none", "Which biases are trained.")
+    modules_to_save: list[str] | None = _field(None, "Modules trained in full besides the adapters.")
+    use_rslora: bool = _field(False, "Rank-stabilized scaling alpha / sqrt(r).")
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = []
+        if self.r < 1:
+            problems.append(("r", f"must be >= 1, got {self.r}"))
+        if not 0.0 <= self.dropout < 1.0:
+            problems.append(("dropout", f"must be in [0, 1), got {self.dropout}"))
+        return problems
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer and learning-rate schedule."""
+
+    name: Literal["adamw"] = _field("adamw", "Optimizer (AdamW, fused on CUDA).")
+    lr: float = _field(2e-5, "Peak learning rate.")
+    betas: list[float] = _field(doc="AdamW betas.", factory=lambda: [0.9, 0.999])
+    eps: float = _field(1e-8, "AdamW epsilon.")
+    weight_decay: float = _field(0.0, "Decoupled weight decay (not applied to norms and biases).")
+    schedule: Literal["cosine", "linear", "constant"] = _field("cosine", "Decay after warmup.")
+    warmup_steps: int = _field(0, "Linear warmup from 0 to `lr`, in optimizer steps.")
+    min_lr_ratio: float = _field(0.0, "Final learning rate as a fraction of `lr` (cosine, linear).")
+    max_grad_norm: float | None = _field(1.0, "Clip the global gradient norm to this; null disables.")
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = []
+        if self.lr <= 0:
+            problems.append(("lr", f"must be > 0, got {self.lr}"))
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            problems.append(("betas", f"must be two numbers in [0, 1), got {self.betas}"))
+        if self.eps <= 0:
+            problems.append(("eps", f"must be > 0, got {self.eps}"))
+        if self.weight_decay < 0:
+            problems.append(("weight_decay", f"must be >= 0, got {self.weight_decay}"))
+        if self.warmup_steps < 0:
+            problems.append(("warmup_steps", f"must be >= 0, got {self.warmup_steps}"))
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            problems.append(("min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}"))
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            problems.append(("max_grad_norm", f"must be > 0 or null, got {self.max_grad_norm}"))
+        return problems
+
+
+@dataclass
+class TrainConfig:
+    """The loop: length, batching, evaluation and checkpoint cadence."""
+
+    max_steps: int | None = _field(None, "Optimizer steps to run; overrides `epochs` when set.")
+    epochs: float = _field(1.0, "Passes over the training packs when `max_steps` is unset.")
+    micro_batch_size: int = _field(1, "Packs per forward/backward.")
+    grad_accum_steps: int = _field(1, "Micro-batches per optimizer step.")
+    seed: int = _field(0, "Seed for weights, data order and dropout.")
+    gradient_checkpointing: bool = _field(False, "Recompute activations in backward to save memory.")
+    device: Literal["auto", "cpu", "cuda"] = _field("auto", "`auto`: CUDA when available, else CPU.")
+    log_every: int = _field(1, "Write a metrics record every N optimizer steps.")
+    eval_every: int | None = _field(None, "Evaluate on the held-out data every N steps (and at the end).")
+    eval_at_start: bool = _field(True, "Evaluate once before the first step, as a baseline.")
+    eval_max_conversations: int | None = _field(None, "Cap on held-out conversations per evaluation.")
+    save_every: int | None = _field(None, "Save a checkpoint every N steps (the final model is always saved).")
+    num_threads: int | None = _field(None, "CPU threads for torch; default: torch's own choice.")
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = []
+        for key in ("max_steps", "micro_batch_size", "grad_accum_steps", "log_every", "eval_every",
+                    "save_every", "eval_max_conversations", "num_threads"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                problems.append((key, f"must be >= 1, got {value}"))
+        if self.epochs <= 0:
+            problems.append(("epochs", f"must be > 0, got {self.epochs}"))
+        return problems
+
+
+@dataclass
+class OutputConfig:
+    """Where the run writes its files."""
+
+    dir: str = _field("runs/ligertune", "Output directory: resolved recipe, metrics.jsonl, final/.")
+    overwrite: bool = _field(False, "Allow writing into a directory that already holds a finished run.")
+
+
+@dataclass
+class Recipe:
+    """A whole fine-tuning recipe."""
+
+    model: ModelConfig = _field(doc="The model.", factory=ModelConfig)
+    data: DataConfig = _field(doc="The data.", factory=DataConfig)
+    kernels: KernelsConfig = _field(doc="Kernel flags.", factory=KernelsConfig)
+    loss: LossConfig = _field(doc="The loss.", factory=LossConfig)
+    lora: LoraConfig | None = _field(None, "LoRA adapters; absent or null trains every weight.")
+    optim: OptimConfig = _field(doc="Optimizer and schedule.", factory=OptimConfig)
+    train: TrainConfig = _field(doc="The training loop.", factory=TrainConfig)
+    output: OutputConfig = _field(doc="Output files.", factory=OutputConfig)
+    description: str | None = _field(None, "Free text shown by `ligertune recipes ls`.")
+
+    def check(self) -> list[tuple[str, str]]:
+        if self.data.packing and self.model.attention != "packed":
+            return [("data.packing", "packing needs `model.attention: packed`; with "
+                     f"{self.model.attention!r} packed conversations would attend to each other")]
+        return []
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Read, override, validate and resolve a recipe file; raise `RecipeError` listing every problem."""
+    path = Path(path)
+    source = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RecipeError(["recipe file not found"], source) from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as err:
+        raise RecipeError([f"cannot read recipe: {err}"], source) from None
+    raw = parse_yaml(text, source)
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise RecipeError([f"the recipe must be a mapping of sections, got {type(raw).__name__}"], source)
+    raw = apply_overrides(raw, overrides)
+    recipe = recipe_from_dict(raw, source)
+    return resolve_paths(recipe, path.parent)
+
+
+def parse_yaml(text: str, source: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise RecipeError([f"YAML syntax error at {where}{err.problem or err.context}"], source) from None
+    except yaml.YAMLError as err:
+        raise RecipeError([f"YAML error: {err}"], source) from None
+
+
+def apply_overrides(raw: dict, overrides: list[str] | tuple[str, ...]) -> dict:
+    """Apply `a.b.c=value` overrides (the value parsed as YAML) to a copy of the raw mapping."""
+    import copy
+
+    raw = copy.deepcopy(raw)
+    problems = []
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            problems.append(f"--set {item!r}: expected KEY=VALUE, e.g. optim.lr=1e-4")
+            continue
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError:
+            value = text
+        node = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = {}
+                node[part] = child
+            node = child
+        node[parts[-1]] = value
+    if problems:
+        raise RecipeError(problems)
+    return raw
+
+
+def recipe_from_dict(raw: dict, source: str | None = None) -> Recipe:
+    """Build a `Recipe` from plain data, collecting every problem with its key path."""
+    problems: list[str] = []
+    recipe = _build(Recipe, raw, "", problems)
+    if not problems:
+        problems.extend(_check_all(recipe, ""))
+    if problems:
+        raise RecipeError(problems, source)
+    return recipe
+
+
+def _check_all(obj: Any, prefix: str) -> list[str]:
+    """Run every section's `check()` and prefix its keys."""
+    problems = []
+    if dataclasses.is_dataclass(obj):
+        if hasattr(obj, "check"):
+            for key, message in obj.check():
+                path = ".".join(p for p in (prefix, key) if p)
+                problems.append(f"{path}: {message}" if path else message)
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            child = f"{prefix}.{f.name}" if prefix else f.name
+            if isinstance(value, list):
+                for i, item in enumerate(value):
+                    problems.extend(_check_all(item, f"{child}[{i}]"))
+            else:
+                problems.extend(_check_all(value, child))
+    return problems
+
+
+def _build(cls: type, raw: Any, path: str, problems: list[str]) -> Any:
+    if not isinstance(raw, dict):
+        problems.append(f"{path or 'recipe'}: expected a mapping, got {_describe(raw)}")
+        return None
+    hints = get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        key_path = f"{path}.{key}" if path else str(key)
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+            hint = f"; did you mean `{close[0]}`?" if close else f"; known keys: {', '.join(names)}"
+            problems.append(f"{key_path}: unknown key{hint}")
+            continue
+        kwargs[key] = _convert(hints[key], value, key_path, problems)
+    for f in dataclasses.fields(cls):
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in raw:
+            problems.append(f"{path}.{f.name}: required" if path else f"{f.name}: required")
+    try:
+        return cls(**kwargs)
+    except TypeError:
+        return None
+
+
+_NO_VALUE = object()
+
+
+def _convert(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
+    """Check `value` against the type hint `tp`, converting where YAML is loose (int -> float)."""
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        options = get_args(tp)
+        if value is None:
+            if type(None) in options:
+                return None
+            problems.append(f"{path}: must not be null")
+            return None
+        non_null = [o for o in options if o is not type(None)]
+        if len(non_null) == 1:
+            return _convert(non_null[0], value, path, problems)
+        for option in non_null:
+            trial: list[str] = []
+            result = _convert(option, value, path, trial)
+            if not trial:
+                return result
+        names = " or ".join(_type_name(o) for o in non_null)
+        problems.append(f"{path}: expected {names}, got {_describe(value)}")
+        return None
+    if origin is Literal:
+        choices = get_args(tp)
+        if value in choices:
+            return value
+        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
+        hint = f"; did you mean `{close[0]}`?" if close else ""
+        problems.append(f"{path}: must be one of {', '.join(map(str, choices))}, got {value!r}{hint}")
+        return None
+    if origin is list:
+        (item_tp,) = get_args(tp)
+        if not isinstance(value, list):
+            problems.append(f"{path}: expected a list, got {_describe(value)}")
+            return None
+        return [_convert(item_tp, v, f"{path}[{i}]", problems) for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path, problems)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif tp is dict:
+        if isinstance(value, dict):
+            return value
+    elif tp is Any:
+        return value
+    problems.append(f"{path}: expected {_type_name(tp)}, got {_describe(value)}")
+    return None
+
+
+def _type_name(tp: Any) -> str:
+    if tp is dict:
+        return "a mapping"
+    if get_origin(tp) is list:
+        return "a list"
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"{str(value).lower()}"
+    if isinstance(value, (dict, list)):
+        return {dict: "a mapping", list: "a list"}[type(value)]
+    return repr(value)
+
+
+def resolve_paths(recipe: Recipe, base: Path) -> Recipe:
+    """Point relative paths at the recipe's folder when a file or folder of that name is there."""
+
+    def local(p: str | None) -> str | None:
+        if p is None:
+            return None
+        expanded = Path(p).expanduser()
+        if expanded.is_absolute():
+            return str(expanded)
+        candidate = base / expanded
+        return str(candidate) if candidate.exists() else p
+
+    model = dataclasses.replace(recipe.model, name_or_path=local(recipe.model.name_or_path),
+                                tokenizer=local(recipe.model.tokenizer))
+    sources = [dataclasses.replace(s, path=local(s.path)) for s in recipe.data.sources]
+    data = dataclasses.replace(recipe.data, path=local(recipe.data.path), sources=sources,
+                               eval_path=local(recipe.data.eval_path))
+    return dataclasses.replace(recipe, model=model, data=data)
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    """The resolved recipe as YAML (what a run writes next to its outputs)."""
+    return yaml.safe_dump(recipe.to_dict(), sort_keys=False)
+
+
+def field_docs(cls: type = Recipe, prefix: str = "") -> typing.Iterator[tuple[str, str, Any, str]]:
+    """(key path, type, default, doc) for every field, sections first-to-last (for the docs)."""
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        section = tp if dataclasses.is_dataclass(tp) else next(
+            (a for a in get_args(tp) if dataclasses.is_dataclass(a)), None)
+        if section is not None and get_origin(tp) is not list:
+            yield key, "section", None, f.metadata.get("doc", "")
+            yield from field_docs(section, key + ".")
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+            yield key, str(tp).replace("typing.", ""), default, f.metadata.get("doc", "")
+
+
+# --------------------------------------------------------------------------------------------------
+# Bundled recipes
+
+
+def bundled_recipes_dir() -> Path:
+    """The `recipes/` folder: next to the package in a source checkout, else installed package data."""
+    checkout = Path(__file__).resolve().parent.parent / "recipes"
+    if checkout.is_dir():
+        return checkout
+    import importlib.resources
+
+    return Path(str(importlib.resources.files("ligertune.bundled_recipes")))
+
+
+def bundled_recipes() -> dict[str, Path]:
+    """Every bundled recipe by name (its path under recipes/ without `.yaml`), sorted."""
+    root = bundled_recipes_dir()
+    return {p.relative_to(root).with_suffix("").as_posix(): p for p in sorted(root.rglob("*.yaml"))}
+
+
+def bundled_recipe(name: str) -> Path:
+    recipes = bundled_recipes()
+    if name.endswith(".yaml"):
+        name = name[: -len(".yaml")]
+    if name in recipes:
+        return recipes[name]
+    close = difflib.get_close_matches(name, list(recipes), n=1, cutoff=0.5)
+    hint = f"; did you mean `{close[0]}`?" if close else f"; bundled: {', '.join(recipes)}"
+    from ligertune.errors import UserError
+
+    raise UserError(f"no bundled recipe named {name!r}{hint}")
+
+
+def recipe_description(path: Path) -> str:
+    """The recipe's `description`, else its first comment line."""
+    text = path.read_text(encoding="utf-8")
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError:
+        raw = None
+    if isinstance(raw, dict) and isinstance(raw.get("description"), str):
+        return raw["description"].strip()
+    for line in text.splitlines():
+        if line.startswith("#"):
+            return line.lstrip("# ").strip()
+    return ""

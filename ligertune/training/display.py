@@ -1,0 +1,72 @@
+"""What a person watches during a run: a progress bar with a live metrics line, and a summary."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+from rich.text import Text
+
+
+def format_metrics(record: dict) -> str:
+    parts = [f"loss {record['loss']:.4f}"]
+    if "eval_loss" in record:
+        parts.append(f"eval {record['eval_loss']:.4f}")
+    parts.append(f"lr {record['lr']:.2e}")
+    parts.append(f"grad {record['grad_norm']:.3f}")
+    parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
+    if record.get("peak_mem_gib"):
+        parts.append(f"mem {record['peak_mem_gib']:.1f} GiB")
+    return "  ".join(parts)
+
+
+class TrainProgress:
+    """A rich progress bar over optimizer steps with the latest metrics beside it."""
+
+    def __init__(self, console: Console, total_steps: int, initial_step: int = 0):
+        self.console = console
+        self._progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(bar_width=30),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[metrics]}"),
+            console=console,
+            transient=False,
+        )
+        self._task = self._progress.add_task("train", total=total_steps, completed=initial_step, metrics="")
+
+    def __enter__(self) -> "TrainProgress":
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._progress.stop()
+
+    def advance(self, step: int, record: dict | None = None) -> None:
+        fields = {"metrics": format_metrics(record)} if record else {}
+        self._progress.update(self._task, completed=step, **fields)
+
+    def log(self, message: str) -> None:
+        self._progress.console.print(message)
+
+
+def summary_table(rows: list[tuple[str, str]], title: str = "run summary") -> Table:
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+def sample_table(prompt: str, reference: str, answer: str) -> Table:
+    table = Table(title="held-out conversation: greedy answer", title_justify="left", show_lines=True)
+    table.add_column("prompt (last turn)", overflow="fold")
+    table.add_column("reference", overflow="fold")
+    table.add_column("model", overflow="fold")
+    answer_style = "green" if answer.strip() == reference.strip() else "yellow"
+    table.add_row(Text(prompt), Text(reference), Text(answer, style=answer_style))
+    return table

@@ -1,0 +1,246 @@
+"""Generate the quick-start data and tokenizer bundled in `recipes/quickstart/`.
+
+The quick start must show a model learning something real in about two minutes on a laptop CPU,
+so the data is a set of small word and number games with exactly one right answer each:
+
+    user:      reverse plant
+    assistant: tnalp
+    user:      what comes after k?
+    assistant: l
+    user:      which word did I give you first?
+    assistant: plant
+
+Every conversation has 2-4 assistant turns. About a third carry a system prompt, and one of the
+system prompts ("Answer in capital letters.") changes every answer, so the model must read it.
+The last kind of question asks for the word of the first turn, which only attention over earlier
+turns can answer.
+
+The tokenizer is byte-level with no merges (256 byte tokens + 3 special tokens): every character
+is one token, so "reverse" and "sort" are operations on tokens the model can see, not on the
+hidden spelling of multi-character pieces. The chat template is ChatML:
+
+    <|im_start|>{role}\\n{content}<|im_end|>\\n
+
+with `<|im_end|>` as the end-of-sequence token (generation stops at the end of a turn) and
+`<|endoftext|>` as padding.
+
+Everything comes from one seeded `random.Random`, so running this again writes the same bytes:
+
+    python scripts/make_quickstart_data.py                 # rewrites recipes/quickstart/
+    python scripts/make_quickstart_data.py --out /tmp/qs   # somewhere else
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import string
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+SEED = 1234
+N_TRAIN = 4000
+N_EVAL = 160
+
+# Short, common words; none of them appears in the instructions, so a word in the payload is
+# always the thing to operate on.
+WORDS = (
+    "able acid aged arch army atom aunt baby back bake ball band bank barn bath bead beam bean "
+    "bear bell belt bike bird boat body bold bone book boot bowl brick bush cake calm camp card "
+    "cart cave chair chalk cheek chin city clay cliff cloud coal coat code coin cold cook cord "
+    "corn crab crow cube cup dark dawn deer desk dish dock door dove drum duck dust eagle earth "
+    "east echo edge fair farm fern film fish flag flame flute foam fog fork frog fruit game gate "
+    "gift glass glove goat gold grape grass gull hair hall hand harp hawk heart hill home honey "
+    "hook horn horse hut ice ink iron jam jar jet juice kettle key kind kite knee lake lamp leaf "
+    "lemon lily lime lion lock loft lunch maple map mask meal melon milk mint mist moon moss "
+    "moth mouse mud nail nest net night noon north oak oar ocean olive onion orbit owl palm "
+    "pan park path peach pear pearl pen pig pine plant plum pond pony pool quilt rain ramp "
+    "raven reef rice ring river road robin rock roof rope rose ruby salt sand seal seed shell "
+    "ship shoe silk sky slate snow soap sock sofa soup star stem stone storm sun swan table tail "
+    "tea tent tiger toast tooth tower town toy tree tulip vase vine violet wave whale wheat "
+    "wind wing wolf wood wool yard yarn zebra"
+).split()
+
+SYSTEM_PROMPTS = (
+    "You are a helpful assistant.",
+    "You are a concise assistant. Answer with the result only.",
+    "Answer in capital letters.",
+)
+CAPITALS = "Answer in capital letters."
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One question and its answer; `word` is the payload word, when the question has one."""
+
+    question: str
+    answer: str
+    word: str | None = None
+
+
+def _reverse(rng: random.Random) -> Turn:
+    word = rng.choice(WORDS)
+    return Turn(rng.choice(("reverse {}", "spell {} backwards")).format(word), word[::-1], word)
+
+
+def _uppercase(rng: random.Random) -> Turn:
+    word = rng.choice(WORDS)
+    return Turn(f"uppercase {word}", word.upper(), word)
+
+
+def _sort_letters(rng: random.Random) -> Turn:
+    word = rng.choice(WORDS)
+    return Turn(f"sort the letters of {word}", "".join(sorted(word)), word)
+
+
+def _count_letters(rng: random.Random) -> Turn:
+    word = rng.choice(WORDS)
+    return Turn(f"how many letters are in {word}?", str(len(word)), word)
+
+
+def _first_letter(rng: random.Random) -> Turn:
+    word = rng.choice(WORDS)
+    return Turn(f"first letter of {word}?", word[0], word)
+
+
+def _last_letter(rng: random.Random) -> Turn:
+    word = rng.choice(WORDS)
+    return Turn(f"last letter of {word}?", word[-1], word)
+
+
+def _repeat(rng: random.Random) -> Turn:
+    word, times = rng.choice(WORDS), rng.randint(2, 3)
+    return Turn(f"say {word} {times} times", " ".join([word] * times), word)
+
+
+def _next_letter(rng: random.Random) -> Turn:
+    letter = rng.choice(string.ascii_lowercase[:-1])
+    return Turn(f"what comes after {letter}?", chr(ord(letter) + 1))
+
+
+def _sort_digits(rng: random.Random) -> Turn:
+    digits = "".join(rng.choice(string.digits) for _ in range(rng.randint(3, 5)))
+    return Turn(f"sort the digits {digits}", "".join(sorted(digits)))
+
+
+def _bigger(rng: random.Random) -> Turn:
+    a, b = rng.sample(range(10, 100), 2)
+    return Turn(f"which is bigger, {a} or {b}?", str(max(a, b)))
+
+
+def _add(rng: random.Random) -> Turn:
+    a, b = rng.randint(0, 9), rng.randint(0, 9)
+    return Turn(f"what is {a} + {b}?", str(a + b))
+
+
+TASKS: tuple[Callable[[random.Random], Turn], ...] = (
+    _reverse, _uppercase, _sort_letters, _count_letters, _first_letter, _last_letter, _repeat,
+    _next_letter, _sort_digits, _bigger, _add,
+)
+MEMORY_QUESTIONS = ("which word did I give you first?", "what was the word in my first message?")
+
+
+def make_conversation(rng: random.Random) -> dict:
+    """One conversation: an optional system prompt, then 2-4 user/assistant exchanges."""
+    messages = []
+    system = rng.choice(SYSTEM_PROMPTS) if rng.random() < 0.35 else None
+    if system is not None:
+        messages.append({"role": "system", "content": system})
+    turns = [rng.choice(TASKS)(rng)]
+    for _ in range(rng.randint(2, 4) - 1):
+        # Asking back for the first word needs attention across turns, not just within one.
+        if turns[0].word is not None and rng.random() < 0.25:
+            turns.append(Turn(rng.choice(MEMORY_QUESTIONS), turns[0].word))
+        else:
+            turns.append(rng.choice(TASKS)(rng))
+    for turn in turns:
+        answer = turn.answer.upper() if system == CAPITALS else turn.answer
+        messages.append({"role": "user", "content": turn.question})
+        messages.append({"role": "assistant", "content": answer})
+    return {"messages": messages}
+
+
+def make_splits(seed: int = SEED, n_train: int = N_TRAIN, n_eval: int = N_EVAL) -> tuple[list[dict], list[dict]]:
+    """Train and held-out conversations, all distinct (no conversation is in both, or twice)."""
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    conversations = []
+    while len(conversations) < n_train + n_eval:
+        conversation = make_conversation(rng)
+        key = json.dumps(conversation, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            conversations.append(conversation)
+    return conversations[n_eval:], conversations[:n_eval]
+
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- endif %}"
+)
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def build_tokenizer(model_max_length: int = 1024):
+    """A byte-level tokenizer without merges: ids 0-255 are bytes, then the three special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # The byte-to-character table of byte-level BPE, in byte order, so id == byte value.
+    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet(), key=_byte_of)
+    backend = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(byte_chars)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=model_max_length,
+    )
+
+
+def _byte_of(char: str) -> int:
+    """Inverse of the byte-level mapping: printable bytes map to themselves, the others to 256+."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    if ord(char) in printable:
+        return ord(char)
+    others = [b for b in range(256) if b not in printable]
+    return others[ord(char) - 256]
+
+
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    with path.open("w", encoding="utf-8", newline="\n") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def write_all(out: Path) -> None:
+    """Write train.jsonl, eval.jsonl and tokenizer/ under `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    train, held_out = make_splits()
+    write_jsonl(out / "train.jsonl", train)
+    write_jsonl(out / "eval.jsonl", held_out)
+    # The chat template goes inside tokenizer_config.json (not a separate .jinja file) so the
+    # bundled recipe data is only .json/.jsonl files.
+    build_tokenizer().save_pretrained(out / "tokenizer", save_jinja_files=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    default_out = Path(__file__).resolve().parent.parent / "recipes" / "quickstart"
+    parser.add_argument("--out", type=Path, default=default_out, help=f"output folder (default: {default_out})")
+    args = parser.parse_args(argv)
+    write_all(args.out)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

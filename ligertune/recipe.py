@@ -544,9 +544,28 @@ def field_docs(cls: type = Recipe, prefix: str = "") -> typing.Iterator[tuple[st
             yield key, "section", None, f.metadata.get("doc", "")
             yield from field_docs(section, key + ".")
         else:
-            default = f.default if f.default is not dataclasses.MISSING else (
-                f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
-            yield key, str(tp).replace("typing.", ""), default, f.metadata.get("doc", "")
+            default = f.default
+            if f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            yield key, type_label(tp), default, f.metadata.get("doc", "")
+            item = get_args(tp)[0] if get_origin(tp) is list else None
+            if dataclasses.is_dataclass(item):
+                yield from field_docs(item, key + "[].")
+
+
+def type_label(tp: Any) -> str:
+    """A type hint as a reader of the docs would write it: `int or null`, `one of: a, b`."""
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of: " + ", ".join(map(str, get_args(tp)))
+    if origin in (Union, types.UnionType):
+        return " or ".join(type_label(a) for a in get_args(tp))
+    if origin is list:
+        return f"list of {type_label(get_args(tp)[0])}"
+    if dataclasses.is_dataclass(tp):
+        return "mapping"
+    return {type(None): "null", bool: "bool", int: "int", float: "float", str: "str", dict: "mapping"}.get(
+        tp, getattr(tp, "__name__", str(tp)))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -595,3 +614,33 @@ def recipe_description(path: Path) -> str:
         if line.startswith("#"):
             return line.lstrip("# ").strip()
     return ""
+
+
+def reference_markdown() -> str:
+    """docs/recipe.md: every key with its type, default and documentation (kept in sync by a test)."""
+    lines = [
+        "# Recipe reference",
+        "",
+        "Generated from `ligertune/recipe.py` by `python -m ligertune.recipe > docs/recipe.md`.",
+        "Override any key from the command line: `ligertune train RECIPE --set optim.lr=1e-4`",
+        "(the value is parsed as YAML).",
+    ]
+    for key, tp, default, doc in field_docs():
+        if tp == "section":
+            lines += ["", f"## `{key}`", "", doc, "", "| key | type | default | meaning |", "|---|---|---|---|"]
+            continue
+        shown = "required" if default is dataclasses.MISSING else json_default(default)
+        lines.append(f"| `{key}` | {tp} | {shown} | {doc} |")
+    return "\n".join(lines) + "\n"
+
+
+def json_default(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return f"`{value}`" if value != [] else "`[]`"
+
+
+if __name__ == "__main__":
+    print(reference_markdown(), end="")

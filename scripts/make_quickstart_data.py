@@ -192,8 +192,8 @@ def build_tokenizer(model_max_length: int = 1024):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    # The byte-to-character table of byte-level BPE, in byte order, so id == byte value.
-    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet(), key=_byte_of)
+    byte_chars = _byte_alphabet()
+    assert set(byte_chars) == set(pre_tokenizers.ByteLevel.alphabet())
     backend = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(byte_chars)}, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
@@ -207,13 +207,21 @@ def build_tokenizer(model_max_length: int = 1024):
     )
 
 
-def _byte_of(char: str) -> int:
-    """Inverse of the byte-level mapping: printable bytes map to themselves, the others to 256+."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    if ord(char) in printable:
-        return ord(char)
-    others = [b for b in range(256) if b not in printable]
-    return others[ord(char) - 256]
+def _byte_alphabet() -> list[str]:
+    """The byte-level pre-tokenizer's stand-in character for each byte value, indexed by byte.
+
+    Printable Latin-1 bytes stand for themselves; the others (controls, space, ...) take the
+    characters from U+0100 upward, in byte order.
+    """
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    chars, shifted = [], 0
+    for byte in range(256):
+        if byte in printable:
+            chars.append(chr(byte))
+        else:
+            chars.append(chr(256 + shifted))
+            shifted += 1
+    return chars
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:

@@ -62,6 +62,21 @@ def check_flce_args(
         raise ValueError(f"chunk_bytes must be > 0; got {chunk_bytes}")
 
 
+def autocast_flce_inputs(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Cast the operands to the autocast dtype when autocast is on, as `torch.nn.functional.linear` would.
+
+    The products inside run on these casts (differentiable back to the originals) with explicit
+    output buffers, which autocast would not touch.
+    """
+    device_type = hidden.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return hidden, weight, bias
+    dtype = torch.get_autocast_dtype(device_type)
+    return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
 def select_supervised(targets: torch.Tensor, ignore_index: int, vocab_size: int) -> tuple[torch.Tensor | None, int]:
     """The supervised rows (`targets != ignore_index`) as an index tensor (None when every row is), and their count.
 
@@ -203,7 +218,7 @@ class _ReferenceFusedLinearCrossEntropy(torch.autograd.Function):
             loss, z_loss = loss_rows.sum() * scale, z_rows.sum() * scale
             ctx.grads = (gh, gw, gb)
         else:
-            loss, z_loss = _scatter_rows(loss_rows, rows, n_rows), _scatter_rows(z_rows, rows, n_rows)
+            loss, z_loss = scatter_rows(loss_rows, rows, n_rows), scatter_rows(z_rows, rows, n_rows)
             ctx.save_for_backward(hidden, weight, bias, rows, y, w)
             ctx.options = options
         ctx.scalar = scalar
@@ -231,7 +246,7 @@ class _ReferenceFusedLinearCrossEntropy(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None, None, None)
 
 
-def _scatter_rows(values: torch.Tensor, rows: torch.Tensor | None, n_rows: int) -> torch.Tensor:
+def scatter_rows(values: torch.Tensor, rows: torch.Tensor | None, n_rows: int) -> torch.Tensor:
     """Per-supervised-row values back to all `n_rows` rows, 0 at ignored rows."""
     if rows is None:
         return values
@@ -274,6 +289,7 @@ def fused_linear_cross_entropy(
     dtype. Rows are processed in chunks whose float32 working set stays under `chunk_bytes` (default
     `FLCE_DEFAULT_CHUNK_BYTES`). A scalar reduction allows one backward per forward.
     """
+    hidden, weight, bias = autocast_flce_inputs(hidden, weight, bias)
     check_flce_args(
         hidden, weight, targets, bias=bias, token_weights=token_weights, label_smoothing=label_smoothing,
         z_loss_weight=z_loss_weight, softcap=softcap, reduction=reduction, chunk_bytes=chunk_bytes,
@@ -284,3 +300,122 @@ def fused_linear_cross_entropy(
         chunk_bytes or FLCE_DEFAULT_CHUNK_BYTES,
     )
     return LossOutput(*outputs)
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm
+# ---------------------------------------------------------------------------------------------
+
+RMS_NORM_CASTINGS = ("llama", "gemma")
+
+
+def rms_norm_casting(x: torch.Tensor, weight: torch.Tensor, offset: float, casting: str | None) -> str:
+    """Check the arguments of `rms_norm` and return its casting mode.
+
+    `casting=None` picks "gemma" when `offset != 0` (Gemma's `1 + weight`) and "llama" otherwise,
+    which is what every model family in `transformers` that uses such an offset does.
+    """
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"weight must have shape ({x.shape[-1]},) for x of shape {tuple(x.shape)}; got {tuple(weight.shape)}")
+    if casting is None:
+        return "gemma" if offset != 0.0 else "llama"
+    if casting not in RMS_NORM_CASTINGS:
+        raise ValueError(f"casting must be one of {RMS_NORM_CASTINGS} (or None); got {casting!r}")
+    return casting
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0, casting: str | None = None
+) -> torch.Tensor:
+    """Root-mean-square normalization over the last dimension (Zhang & Sennrich 2019, eq. 4).
+
+        n = x / sqrt(mean(x^2) + eps)          (float32, whatever the dtype of x)
+        "llama":  y = (offset + w) * n.to(x.dtype)       in promote(x.dtype, w.dtype)
+        "gemma":  y = (n * (offset + w.float())).to(x.dtype)
+
+    The two casting modes are the two roundings found in `transformers`: `LlamaRMSNorm` (and the
+    families copied from it) rounds the normalized row to the input dtype before the weight multiplies
+    it; `GemmaRMSNorm` multiplies in float32 and rounds once. With offset = 0 the "llama" branch is
+    literally `weight * n.to(x.dtype)`, so it equals `LlamaRMSNorm` bit for bit. `casting=None` picks
+    "gemma" for a nonzero offset, "llama" otherwise.
+    """
+    mode = rms_norm_casting(x, weight, offset, casting)
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if mode == "gemma":
+        return (normed * (offset + weight.float())).to(x.dtype)
+    if offset == 0.0:
+        return weight * normed.to(x.dtype)
+    return ((offset + weight.float()) * normed.to(x.dtype)).to(torch.promote_types(x.dtype, weight.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary position embedding
+# ---------------------------------------------------------------------------------------------
+
+
+def check_rope_args(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Raise `ValueError` for arguments that neither path of `apply_rope` accepts."""
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"q and k must be [B, H, L, D]; got {tuple(q.shape)} and {tuple(k.shape)}")
+    b, _, seq_len, head_dim = q.shape
+    if k.shape[0] != b or k.shape[2:] != q.shape[2:]:
+        raise ValueError(f"q and k must share B, L and D; got {tuple(q.shape)} and {tuple(k.shape)}")
+    if q.dtype != k.dtype:
+        raise ValueError(f"q and k must share a dtype; got {q.dtype} and {k.dtype}")
+    if head_dim % 2:
+        raise ValueError(f"the head dimension must be even; got {head_dim}")
+    if cos.shape != sin.shape or cos.dim() != 3 or cos.shape[0] not in (1, b) or cos.shape[1:] != (seq_len, head_dim):
+        raise ValueError(
+            f"cos and sin must both be [{b} or 1, {seq_len}, {head_dim}]; got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [-x2, x1] over the two halves of the last dimension."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding (Su et al. 2021, RoFormer, eq. 34, in the half-split layout).
+
+        q_embed = q * cos + rotate_half(q) * sin,    k_embed likewise
+
+    q [B, Hq, L, D], k [B, Hk, L, D]; cos and sin [B, L, D] (or [1, L, D], shared by the batch) are
+    what a `transformers` rotary embedding module returns for the position ids, already gathered per
+    token, so a pack whose positions restart at 0 per conversation needs nothing more. cos and sin are
+    cast to q's dtype, which is what that module returns anyway; then this is `apply_rotary_pos_emb`
+    of `transformers` to the bit.
+    """
+    check_rope_args(q, k, cos, sin)
+    cos = cos.to(q.dtype).unsqueeze(1)
+    sin = sin.to(q.dtype).unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+# ---------------------------------------------------------------------------------------------
+# SwiGLU
+# ---------------------------------------------------------------------------------------------
+
+
+def check_swiglu_args(gate: torch.Tensor, up: torch.Tensor) -> None:
+    """Raise `ValueError` for arguments that neither path of `swiglu` accepts."""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(
+            f"gate and up must share shape and dtype; got {gate.dtype} {tuple(gate.shape)} and {up.dtype} {tuple(up.shape)}"
+        )
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The gated unit of SwiGLU (Shazeer 2020, "GLU Variants Improve Transformer", eq. 6).
+
+        y = silu(gate) * up,   silu(g) = g * sigmoid(g)
+
+    elementwise, in the inputs' dtype: the activation is rounded to that dtype before the product,
+    as in `act_fn(gate_proj(x)) * up_proj(x)` of the `transformers` MLPs.
+    """
+    check_swiglu_args(gate, up)
+    return torch.nn.functional.silu(gate) * up

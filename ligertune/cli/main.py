@@ -31,31 +31,15 @@ def _root(
 
 
 def _register() -> None:
-    from ligertune.cli import env, recipes, train, validate
+    from ligertune.cli import bench, data, env, recipes, train, validate, verify_loss
 
     app.command("train")(guarded(train.train))
     app.command("validate")(guarded(validate.validate))
-    app.command("env")(guarded(env.env))
+    app.command("data")(guarded(data.data))
+    app.command("verify-loss")(guarded(verify_loss.verify_loss))
+    app.add_typer(bench.app, name="bench")
     app.add_typer(recipes.app, name="recipes")
-    for name, module in _optional_commands():
-        app.command(name)(guarded(module))
-
-
-def _optional_commands():
-    """Commands whose modules are present in this build."""
-    import importlib
-
-    for name, module_name, attr in (
-        ("data", "ligertune.cli.data", "data"),
-        ("verify-loss", "ligertune.cli.verify_loss", "verify_loss"),
-    ):
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as err:
-            if err.name != module_name:
-                raise
-            continue
-        yield name, getattr(module, attr)
+    app.command("env")(guarded(env.env))
 
 
 _register()

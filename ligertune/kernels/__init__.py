@@ -49,9 +49,9 @@ def fused_linear_cross_entropy(hidden, weight, targets, **kwargs) -> LossOutput:
     return _impl("fused_linear_cross_entropy", hidden.device)(hidden, weight, targets, **kwargs)
 
 
-def rms_norm(x, weight, eps: float = 1e-6, offset: float = 0.0):
-    """`x / rms(x) * (offset + weight)`, computed in float32."""
-    return _impl("rms_norm", x.device)(x, weight, eps, offset)
+def rms_norm(x, weight, eps: float = 1e-6, offset: float = 0.0, casting: str | None = None):
+    """`x / rms(x) * (offset + weight)`, computed in float32; `casting` "llama" | "gemma" (default: by offset)."""
+    return _impl("rms_norm", x.device)(x, weight, eps, offset, casting)
 
 
 def apply_rope(q, k, cos, sin):

@@ -47,7 +47,7 @@ def check_flce_args(
             f"targets must be integers of shape ({n},); got {targets.dtype} of shape {tuple(targets.shape)}"
         )
     if bias is not None and (tuple(bias.shape) != (v,) or bias.dtype != weight.dtype):
-        raise ValueError(f"bias must be [{v}] in {weight.dtype}; got {bias.dtype} of shape {tuple(bias.shape)}")
+        raise ValueError(f"bias must be [{v}] in {weight.dtype}; got {bias.dtype} {tuple(bias.shape)}")
     if token_weights is not None and tuple(token_weights.shape) != (n,):
         raise ValueError(f"token_weights must have shape ({n},); got {tuple(token_weights.shape)}")
     if reduction not in FLCE_REDUCTIONS:
@@ -77,8 +77,10 @@ def autocast_flce_inputs(
     return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
-def select_supervised(targets: torch.Tensor, ignore_index: int, vocab_size: int) -> tuple[torch.Tensor | None, int]:
-    """The supervised rows (`targets != ignore_index`) as an index tensor (None when every row is), and their count.
+def select_supervised(
+    targets: torch.Tensor, ignore_index: int, vocab_size: int
+) -> tuple[torch.Tensor | None, int]:
+    """The supervised rows (`targets != ignore_index`) as an index (None when all are), and their count.
 
     Ignored rows are skipped rather than computed and zeroed: in chat fine-tuning the prompts are
     often half the tokens, so this halves the work of the output layer. The count and a range check
@@ -90,7 +92,7 @@ def select_supervised(targets: torch.Tensor, ignore_index: int, vocab_size: int)
     n_tokens, n_bad = torch.stack([supervised.sum(), out_of_range.sum()]).tolist()
     if n_bad:
         raise ValueError(
-            f"{n_bad} supervised target(s) lie outside [0, {vocab_size}) and are not ignore_index={ignore_index}"
+            f"{n_bad} target(s) lie outside [0, {vocab_size}) and are not ignore_index={ignore_index}"
         )
     if n_tokens == targets.numel():
         return None, n_tokens
@@ -207,9 +209,8 @@ class _ReferenceFusedLinearCrossEntropy(torch.autograd.Function):
             w = token_weights.float() if rows is None else token_weights.float().index_select(0, rows)
         scalar = reduction != "none"
         scale = 1.0 / max(n_tokens, 1) if reduction == "mean" else 1.0
-        options = dict(
-            label_smoothing=label_smoothing, z_loss_weight=z_loss_weight, softcap=softcap, chunk_bytes=chunk_bytes
-        )
+        options = dict(label_smoothing=label_smoothing, z_loss_weight=z_loss_weight, softcap=softcap)
+        options["chunk_bytes"] = chunk_bytes
         needs_grad = tuple(ctx.needs_input_grad[:3]) if scalar else (False, False, False)
         loss_rows, z_rows, correct, gh, gw, gb = _flce_reference_pass(
             hidden, weight, bias, rows, y, w, grad_scale=scale, needs_grad=needs_grad, **options
@@ -316,7 +317,9 @@ def rms_norm_casting(x: torch.Tensor, weight: torch.Tensor, offset: float, casti
     which is what every model family in `transformers` that uses such an offset does.
     """
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
-        raise ValueError(f"weight must have shape ({x.shape[-1]},) for x of shape {tuple(x.shape)}; got {tuple(weight.shape)}")
+        raise ValueError(
+            f"weight must have shape ({x.shape[-1]},) for x of shape {tuple(x.shape)}; got {tuple(weight.shape)}"
+        )
     if casting is None:
         return "gemma" if offset != 0.0 else "llama"
     if casting not in RMS_NORM_CASTINGS:
@@ -367,7 +370,8 @@ def check_rope_args(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: to
         raise ValueError(f"the head dimension must be even; got {head_dim}")
     if cos.shape != sin.shape or cos.dim() != 3 or cos.shape[0] not in (1, b) or cos.shape[1:] != (seq_len, head_dim):
         raise ValueError(
-            f"cos and sin must both be [{b} or 1, {seq_len}, {head_dim}]; got {tuple(cos.shape)} and {tuple(sin.shape)}"
+            f"cos and sin must both be [{b} or 1, {seq_len}, {head_dim}]; "
+            f"got {tuple(cos.shape)} and {tuple(sin.shape)}"
         )
 
 
@@ -405,7 +409,8 @@ def check_swiglu_args(gate: torch.Tensor, up: torch.Tensor) -> None:
     """Raise `ValueError` for arguments that neither path of `swiglu` accepts."""
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(
-            f"gate and up must share shape and dtype; got {gate.dtype} {tuple(gate.shape)} and {up.dtype} {tuple(up.shape)}"
+            "gate and up must share shape and dtype; "
+            f"got {gate.dtype} {tuple(gate.shape)} and {up.dtype} {tuple(up.shape)}"
         )
 
 

@@ -5,6 +5,9 @@
 
 from __future__ import annotations
 
-from ligertune.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+from ligertune.kernels.cross_entropy import fused_linear_cross_entropy
+from ligertune.kernels.glu import swiglu
+from ligertune.kernels.norm import rms_norm
+from ligertune.kernels.rope import apply_rope
 
-__all__ = ["fused_linear_cross_entropy"]
+__all__ = ["apply_rope", "fused_linear_cross_entropy", "rms_norm", "swiglu"]

@@ -285,7 +285,8 @@ def fused_linear_cross_entropy_fwd(
     y = targets.contiguous() if rows is None else targets.index_select(0, rows)
     w = None
     if token_weights is not None:
-        w = token_weights.float().contiguous() if rows is None else token_weights.float().index_select(0, rows)
+        w = token_weights.float()
+        w = w.contiguous() if rows is None else w.index_select(0, rows)
     scalar = reduction != "none"
     scale = 1.0 / max(n_tokens, 1) if reduction == "mean" else 1.0
     options = dict(
@@ -353,7 +354,8 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         if ctx.scalar:
             ctx.grads = grads
         else:
-            ctx.save_for_backward(hidden, weight, bias, recompute["rows"], recompute["targets"], recompute["row_weights"])
+            saved = (recompute["rows"], recompute["targets"], recompute["row_weights"])
+            ctx.save_for_backward(hidden, weight, bias, *saved)
             ctx.options = recompute["options"]
         ctx.mark_non_differentiable(*outputs[1:])
         return outputs

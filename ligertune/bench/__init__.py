@@ -1,0 +1,23 @@
+"""What `ligertune bench` measures: kernels against torch and peers, and whole training steps.
+
+    from ligertune.bench import KernelBenchConfig, run_kernel_bench
+    report = run_kernel_bench(KernelBenchConfig(kernels=("flce",)))
+"""
+
+from ligertune.bench.kernels import KernelBenchConfig, KernelReport, KernelRow, relative_error, run_kernel_bench
+from ligertune.bench.step import StepBenchConfig, StepReport, StepRow, run_step_bench
+from ligertune.bench.timing import Timing, measure
+
+__all__ = [
+    "KernelBenchConfig",
+    "KernelReport",
+    "KernelRow",
+    "StepBenchConfig",
+    "StepReport",
+    "StepRow",
+    "Timing",
+    "measure",
+    "relative_error",
+    "run_kernel_bench",
+    "run_step_bench",
+]

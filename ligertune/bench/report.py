@@ -1,0 +1,219 @@
+"""How bench results are shown: rich tables, JSON files and a bar chart."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from ligertune.errors import UserError
+
+KERNEL_TITLES = {
+    "flce": "fused linear cross-entropy, forward + backward",
+    "rms_norm": "RMSNorm, forward + backward",
+    "rope": "rotary embedding (q and k), forward + backward",
+    "swiglu": "SwiGLU, forward + backward",
+}
+
+
+def fmt(value: float | None, spec: str = ".3g", suffix: str = "") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:{spec}}{suffix}"
+
+
+def fmt_error(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if math.isnan(value):
+        return "[red]nan[/]"
+    return f"{value:.1e}"
+
+
+def split_errors(errors: dict[str, float]) -> tuple[float | None, float | None]:
+    """(largest error of the outputs, largest error of the gradients)."""
+    values = [v for k, v in errors.items() if not k.startswith("grad")]
+    grads = [v for k, v in errors.items() if k.startswith("grad")]
+
+    def worst(xs):
+        if not xs:
+            return None
+        return math.nan if any(math.isnan(x) for x in xs) else max(xs)
+
+    return worst(values), worst(grads)
+
+
+def kernel_tables(report) -> list[Table]:
+    """One table per kernel and shape, the ligertune row first; why a row has no numbers is its caption."""
+    tables = []
+    groups: dict[tuple[str, str], list] = {}
+    for row in report.rows:
+        groups.setdefault((row.kernel, row.shape), []).append(row)
+    for (kernel, shape), rows in groups.items():
+        rate = "TFLOP/s" if kernel == "flce" else "GB/s"
+        title = f"{KERNEL_TITLES.get(kernel, kernel)}: {shape}, {report.dtype}"
+        notes = [f"* {row.impl}: {_status_text(row)}" for row in rows if row.status != "ok"]
+        table = Table(title=title, title_justify="left", title_style="bold",
+                      caption=_escape("\n".join(notes)) or None, caption_justify="left")
+        table.add_column("implementation", overflow="fold", min_width=18)
+        for name in ("ms", rate, "extra MiB", "speed-up", "err out", "err grad"):
+            table.add_column(name, justify="right", no_wrap=True)
+        for row in rows:
+            err_out, err_grad = split_errors(row.errors)
+            timing = row.timing
+            extra = timing.extra_peak_mib if timing else None
+            if row.status == "ok":
+                cells = [
+                    fmt(timing.median_ms, ".4g"),
+                    fmt(row.tflops if kernel == "flce" else row.gbps, ".4g"),
+                    fmt(extra, ".0f" if extra is not None and extra >= 10 else ".2g"),
+                    fmt(row.vs_ligertune, ".2f", "x"),
+                    fmt_error(err_out),
+                    fmt_error(err_grad),
+                ]
+            else:
+                cells = ["-"] * 6
+            if row.status != "ok":
+                name = f"[{'red' if row.status == 'failed' else 'dim'}]{row.impl} *[/]"
+            elif row.impl.startswith("ligertune"):
+                name = f"[bold]{row.impl}[/]"
+            else:
+                name = row.impl
+            table.add_row(name, *cells)
+        tables.append(table)
+    return tables
+
+
+def _status_text(row) -> str:
+    return row.status if not row.detail or row.detail == row.status else f"{row.status}: {row.detail}"
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write `data` as indented JSON; non-finite floats become null, so every JSON reader accepts the file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_finite(data), indent=2) + "\n", encoding="utf-8")
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def require_matplotlib() -> None:
+    """Fail before any measurement when a plot was asked for and matplotlib is missing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UserError("--plot needs matplotlib: pip install matplotlib (or ligertune[plot])") from None
+
+
+def plot_kernels(report, path: Path) -> None:
+    """A PNG with one horizontal bar chart of median ms per kernel and shape (measured rows only)."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups: dict[tuple[str, str], list] = {}
+    for row in report.rows:
+        if row.timing is not None:
+            groups.setdefault((row.kernel, row.shape), []).append(row)
+    if not groups:
+        raise UserError("--plot: no row was measured, nothing to draw")
+    fig, axes = plt.subplots(len(groups), 1, figsize=(9, 1.2 + 0.45 * sum(len(g) for g in groups.values())),
+                             squeeze=False)
+    for ax, ((kernel, shape), rows) in zip(axes[:, 0], groups.items()):
+        names = [r.impl for r in rows]
+        values = [r.timing.median_ms for r in rows]
+        colours = ["tab:orange" if n.startswith("ligertune") else "tab:gray" if "floor" in n else "tab:blue"
+                   for n in names]
+        ax.barh(names, values, color=colours)
+        ax.invert_yaxis()
+        ax.set_title(f"{kernel} {shape} ({report.dtype}, {report.device})", fontsize=9, loc="left")
+        ax.set_xlabel("median ms, forward + backward (lower is better)", fontsize=8)
+        ax.tick_params(labelsize=8)
+        for y, value in enumerate(values):
+            ax.text(value, y, f" {value:.3g}", va="center", fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def human_count(n: float) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+def step_header(report) -> list[str]:
+    """Lines above the step table: the model, the batch, the kernels and the peak rates."""
+    m = report.model
+    lines = []
+    if m:
+        lines.append(
+            f"{m['type']}, {human_count(m['params'])} parameters ({m['layers']} layers, hidden {m['hidden_size']}, "
+            f"vocabulary {m['vocab_size']}), {report.dtype} on {report.device}"
+        )
+    ckpt = ", gradient checkpointing" if report.gradient_checkpointing else ""
+    lines.append(f"batch: {report.micro_batch_size} x {report.max_seq_len} tokens{ckpt}; "
+                 f"{report.warmup} warm-up + {report.steps} timed steps")
+    if report.kernels:
+        lines.append(f"ligertune kernels: {report.kernels}")
+    rates = []
+    if report.peak_tflops:
+        rates.append(f"the data-sheet peak {report.peak_tflops:.0f} TFLOP/s")
+    if report.matmul_tflops:
+        rates.append(f"a measured bf16 matmul, {report.matmul_tflops:.0f} TFLOP/s")
+    if rates:
+        lines.append("MFU against " + " and against ".join(rates))
+    if report.note:
+        lines.append(report.note)
+    return lines
+
+
+def step_table(report) -> Table:
+    """Synthetic rows (one step: forward, backward, optimizer) then chat rows (one pass over the
+    micro-batches: forward and backward), each section compared with its ligertune row."""
+    notes = [f"* {row.name}: {_status_text(row)}" for row in report.rows if row.status != "ok"]
+    table = Table(title="training step (chat rows: one pass over all micro-batches, real tokens only)",
+                  title_justify="left", title_style="bold", caption=_escape("\n".join(notes)) or None,
+                  caption_justify="left")
+    table.add_column("variant", overflow="fold", min_width=14)
+    for name in ("ms", "tokens/s", "peak GiB", "MFU", "MFU matmul", "speed-up"):
+        table.add_column(name, justify="right", no_wrap=True)
+    layout = None
+    for row in report.rows:
+        if layout is not None and row.layout != layout:
+            table.add_section()
+        layout = row.layout
+        if row.status != "ok":
+            name = f"[{'red' if row.status == 'failed' else 'dim'}]{row.name} *[/]"
+        else:
+            name = f"[bold]{row.name}[/]" if row.name.startswith("ligertune") else row.name
+        table.add_row(
+            name,
+            fmt(row.step_ms, ".4g"),
+            fmt(row.tokens_per_s, ",.0f"),
+            fmt(row.peak_mem_gib, ".2f"),
+            fmt(None if row.mfu is None else 100 * row.mfu, ".1f", "%"),
+            fmt(None if row.mfu_measured is None else 100 * row.mfu_measured, ".1f", "%"),
+            fmt(row.vs_ligertune, ".2f", "x"),
+        )
+    return table

@@ -1,0 +1,554 @@
+"""What `ligertune bench step` measures: whole training steps of a recipe's model, kernels on and off.
+
+The model is built from the recipe (`model.config` with random weights, or a pretrained one), in the
+recipe's dtype, with its gradient checkpointing and its AdamW (fused on CUDA), the same way
+`ligertune train` builds it. A synthetic batch of `train.micro_batch_size` rows of
+`data.max_seq_len` random tokens then goes through one training step (forward, backward, gradient
+clipping when `optim.max_grad_norm` is set, optimizer step), for each of:
+
+    ligertune       patched by the recipe's `kernels` flags, loss through `CausalLMLoss` (fused
+                    linear cross-entropy), packed attention; the batch laid out as `collate` lays
+                    out packs (one [1, B * L] row, each sequence kept apart by cu_seqlens)
+    HF (sdpa)       the plain `transformers` model, sdpa attention, its own loss on the logits
+                    (`model(input_ids, labels=input_ids)`)
+    HF + Liger      the same with Liger-Kernel applied to the instance, when importable
+
+Then the realistic case: chat conversations of mixed lengths (drawn at random, 20-60% of each
+masked as prompt) with ligertune, packed best-fit (`pack` + `collate`, varlen attention) against
+the same conversations in right-padded batches (`collate_padded`, the attention mask of the model),
+each padded batch filled in data order up to the same token budget B * L. Only forward + backward
+runs there (the count of optimizer steps is the recipe's choice, the same for both layouts), and
+throughput counts real tokens only.
+
+Warm-up steps are not timed. Per row: median step time, tokens per second, peak memory (CUDA:
+`max_memory_allocated` over the timed steps: weights, gradients, optimizer state and activations)
+and MFU: model flops over the device's peak bf16 rate, with
+
+    model flops per step = 6 * P * tokens + 6 * layers * heads * head_dim * sum_s len_s^2
+
+P counts the parameters that multiply activations (the input embedding only when tied to the
+output layer); the second term is causal attention, forward and backward, over each sequence s.
+Recomputation under gradient checkpointing is not counted (it is overhead, not model work). The
+peak is the data-sheet dense bf16 rate of known GPUs (989 TFLOP/s for the H100 SXM) and, as a
+second reading, the rate of a large bf16 matmul measured once on the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import importlib
+import math
+import random
+import statistics
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ligertune.bench.peers import find_peer, versions
+from ligertune.bench.timing import measure, synchronize
+from ligertune.errors import UserError
+from ligertune.recipe import Recipe
+
+PEAK_BF16_TFLOPS = (
+    # (substring of the device name, dense bf16 TFLOP/s from the data sheet); first match wins.
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),
+    ("H200", 989.0),
+    ("H800", 989.0),
+    ("GH200", 989.0),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.0),
+    ("A10G", 70.0),
+    ("4090", 165.0),
+)
+
+LIGERTUNE = "ligertune"
+HF = "HF (sdpa)"
+HF_LIGER = "HF + Liger"
+PACKED = "ligertune, packed chat"
+PADDED = "ligertune, padded chat"
+
+
+@dataclass
+class StepBenchConfig:
+    """How many steps, and what to run besides the synthetic ligertune-vs-HF rows."""
+
+    steps: int = 5
+    warmup: int = 2
+    chat: bool = True
+    chat_micro_batches: int = 4
+    peak_tflops: float | None = None
+    measure_matmul: bool = True
+    seed: int = 0
+
+
+@dataclass
+class StepRow:
+    """One way of running the step; `tokens` are real (non-pad) tokens per timed pass."""
+
+    name: str
+    layout: str
+    status: str = "ok"
+    detail: str | None = None
+    steps: int = 0
+    tokens: int = 0
+    step_ms: float | None = None
+    tokens_per_s: float | None = None
+    peak_mem_gib: float | None = None
+    flops: float | None = None
+    mfu: float | None = None
+    mfu_measured: float | None = None
+    vs_ligertune: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class StepReport:
+    recipe: str
+    model: dict[str, Any]
+    device: str
+    device_type: str
+    dtype: str
+    micro_batch_size: int
+    max_seq_len: int
+    gradient_checkpointing: bool
+    steps: int
+    warmup: int
+    peak_tflops: float | None
+    matmul_tflops: float | None
+    kernels: str
+    note: str | None
+    versions: dict[str, str | None]
+    date: str
+    rows: list[StepRow] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {k: v for k, v in dataclasses.asdict(self).items() if k != "rows"}
+        data["rows"] = [row.to_dict() for row in self.rows]
+        return data
+
+
+# --------------------------------------------------------------------------------------------------
+# Entry point
+
+
+def run_step_bench(
+    recipe: Recipe, config: StepBenchConfig, *, recipe_name: str = "", log: Callable[[str], None] = lambda _: None
+) -> StepReport:
+    """Measure the recipe's training step with ligertune, plain HF and HF + Liger, then packed vs padded chat."""
+    import datetime
+
+    from ligertune.bench.kernels import device_name
+    from ligertune.models import resolve_dtype
+
+    if config.steps < 1 or config.warmup < 0:
+        raise UserError("--steps must be >= 1 and --warmup >= 0")
+    device = _resolve_device(recipe.train.device)
+    dtype = resolve_dtype(recipe.model.dtype, device)
+    if recipe.train.num_threads:
+        torch.set_num_threads(recipe.train.num_threads)
+    batch, seq_len = recipe.train.micro_batch_size, recipe.data.max_seq_len
+    vocab_size = _tokenizer_vocab(recipe)
+
+    peak = config.peak_tflops or (_spec_peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None)
+    matmul = None
+    if device.type == "cuda" and config.measure_matmul:
+        log("measuring a bf16 matmul for the achievable peak")
+        matmul = matmul_tflops(device)
+
+    report = StepReport(
+        recipe=recipe_name, model={}, device=device_name(device), device_type=device.type,
+        dtype=str(dtype).removeprefix("torch."), micro_batch_size=batch, max_seq_len=seq_len,
+        gradient_checkpointing=recipe.train.gradient_checkpointing, steps=config.steps, warmup=config.warmup,
+        peak_tflops=peak, matmul_tflops=matmul, kernels="", note=None, versions=versions(),
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
+    if device.type != "cuda":
+        report.note = "cpu: no GPU; a tiny model's step says nothing of GPU speed (no peak memory, no MFU)"
+    bench = _StepBench(recipe, config, device, dtype, vocab_size, report, log)
+    bench.run()
+    base = next((r for r in report.rows if r.name == LIGERTUNE and r.tokens_per_s), None)
+    for row in report.rows:
+        if row.tokens_per_s and row.flops is not None and row.step_ms:
+            rate = row.flops / (row.step_ms * 1e-3) / 1e12
+            row.mfu = rate / peak if peak else None
+            row.mfu_measured = rate / matmul if matmul else None
+        if base is not None and row.tokens_per_s and row.layout == "synthetic":
+            row.vs_ligertune = base.tokens_per_s / row.tokens_per_s
+    packed = next((r for r in report.rows if r.name == PACKED and r.tokens_per_s), None)
+    if packed is not None:
+        for row in report.rows:
+            if row.layout == "chat" and row.tokens_per_s:
+                row.vs_ligertune = packed.tokens_per_s / row.tokens_per_s
+    return report
+
+
+class _StepBench:
+    """Builds each variant in turn (one model on the device at a time) and times it."""
+
+    def __init__(self, recipe, config, device, dtype, vocab_size, report, log):
+        self.recipe, self.config, self.device, self.dtype = recipe, config, device, dtype
+        self.vocab_size, self.report, self.log = vocab_size, report, log
+
+    def run(self) -> None:
+        self._guarded(LIGERTUNE, "synthetic", self._ligertune)
+        self._guarded(HF, "synthetic", self._hf)
+        peer = find_peer("liger")
+        if not peer.available:
+            self.report.rows.append(StepRow(HF_LIGER, "synthetic", status="not installed" if peer.unavailable == "not installed"
+                                            else "failed", detail=peer.unavailable))
+        elif self.device.type != "cuda":
+            self.report.rows.append(StepRow(HF_LIGER, "synthetic", status="skipped", detail="liger-kernel needs CUDA"))
+        else:
+            self._guarded(HF_LIGER, "synthetic", self._hf_liger)
+
+    def _guarded(self, name: str, layout: str, fn: Callable[[], list[StepRow]]) -> None:
+        self.log(f"step: {name}")
+        try:
+            self.report.rows.extend(fn())
+        except UserError:
+            raise
+        except Exception as err:  # one broken variant must not hide the others
+            detail = "out of memory" if isinstance(err, torch.cuda.OutOfMemoryError) else (
+                f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"[:300])
+            self.report.rows.append(StepRow(name, layout, status="failed", detail=detail))
+        finally:
+            _release(self.device)
+
+    # ---- building
+
+    def _model(self, attention: str):
+        from ligertune.models import build_model
+
+        model_cfg = dataclasses.replace(self.recipe.model, attention=attention)
+        model = build_model(model_cfg, device=self.device, dtype=self.dtype, seed=self.recipe.train.seed,
+                            vocab_size=self.vocab_size)
+        model.train()
+        if self.recipe.train.gradient_checkpointing:
+            with warnings.catch_warnings():  # renamed in newer transformers; the old name still works
+                warnings.simplefilter("ignore", FutureWarning)
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+        if not self.report.model:
+            self.report.model = model_summary(model)
+        return model
+
+    def _optimizer(self, model):
+        from ligertune.training.optim import build_optimizer
+
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        return build_optimizer(params, self.recipe.optim), [p for _, p in params]
+
+    def _finish_step(self, optimizer, params) -> None:
+        max_norm = self.recipe.optim.max_grad_norm
+        if max_norm:
+            torch.nn.utils.clip_grad_norm_(params, max_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def _synthetic_ids(self) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.config.seed)
+        shape = (self.recipe.train.micro_batch_size, self.recipe.data.max_seq_len)
+        return torch.randint(0, self.report.model["vocab_size"], shape, generator=gen)
+
+    # ---- variants
+
+    def _ligertune(self) -> list[StepRow]:
+        from ligertune.data.batching import collate
+        from ligertune.data.chat import TokenizedExample
+        from ligertune.data.packing import packs_of_one
+        from ligertune.models import CausalLMLoss, patch_model, unpatch_model
+
+        model = self._model(self.recipe.model.attention)
+        k, loss = self.recipe.kernels, self.recipe.loss
+        patches = patch_model(model, rms_norm=k.rms_norm, rope=k.rope, swiglu=k.swiglu)
+        self.report.kernels = f"{patches.describe()}; fused loss: {'on' if k.fused_linear_cross_entropy else 'off'}"
+        try:
+            head = CausalLMLoss(
+                model, fused=k.fused_linear_cross_entropy, chunk_bytes=k.loss_chunk_mib * 2**20,
+                label_smoothing=loss.label_smoothing, z_loss_weight=loss.z_loss_weight, ignore_index=loss.ignore_index,
+            )
+            optimizer, params = self._optimizer(model)
+            ids = self._synthetic_ids()
+            examples = [TokenizedExample(row.tolist(), row.tolist()) for row in ids]
+            batch = collate(packs_of_one(examples)).to(self.device)
+            weights = _token_mean_weights(batch.targets, loss.ignore_index)
+
+            def step():
+                out = head(batch.input_ids, batch.position_ids, batch.targets, weights,
+                           cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen)
+                out.loss.backward()
+                self._finish_step(optimizer, params)
+
+            seq_lens = [ids.shape[1]] * ids.shape[0]
+            rows = [self._time(LIGERTUNE, "synthetic", [step], ids.numel(), seq_lens, model)]
+            del optimizer, params
+            if self.config.chat:
+                rows.extend(self._chat(head, model))
+            return rows
+        finally:
+            unpatch_model(model)
+
+    def _hf(self) -> list[StepRow]:
+        model = self._model("sdpa")
+        return [self._time_hf(HF, model)]
+
+    def _hf_liger(self) -> list[StepRow]:
+        import liger_kernel.transformers as liger
+
+        model = self._model("sdpa")
+        # Liger also rebinds names in the model's modeling module (RoPE, norm and MLP classes), for
+        # every later model of that family: put them back afterwards.
+        with _restored_module(type(model).__module__):
+            liger._apply_liger_kernel_to_instance(model=model)
+            return [self._time_hf(HF_LIGER, model)]
+
+    def _time_hf(self, name: str, model) -> StepRow:
+        optimizer, params = self._optimizer(model)
+        ids = self._synthetic_ids().to(self.device)
+
+        def step():
+            out = model(input_ids=ids, labels=ids, use_cache=False)
+            out.loss.backward()
+            self._finish_step(optimizer, params)
+
+        return self._time(name, "synthetic", [step], ids.numel(), [ids.shape[1]] * ids.shape[0], model)
+
+    def _chat(self, head, model) -> list[StepRow]:
+        """Packed vs padded micro-batches of the same synthetic conversations (forward + backward)."""
+        from ligertune.data.batching import collate, collate_padded
+        from ligertune.data.packing import pack
+
+        b, seq_len = self.recipe.train.micro_batch_size, self.recipe.data.max_seq_len
+        ignore = self.recipe.loss.ignore_index
+        examples = synthetic_conversations(
+            self.config.chat_micro_batches * b * seq_len, seq_len, self.report.model["vocab_size"], self.config.seed
+        )
+        lengths = [len(e) for e in examples]
+        packs = pack(examples, seq_len)
+        packed = [collate(packs[i : i + b]).to(self.device) for i in range(0, len(packs), b)]
+        padded = [collate_padded([examples[i] for i in group], pad_id=0).to(self.device)
+                  for group in padded_groups(lengths, b * seq_len)]
+
+        def packed_step(batch):
+            def step():
+                out = head(batch.input_ids, batch.position_ids, batch.targets,
+                           _token_mean_weights(batch.targets, ignore),
+                           cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen)
+                out.loss.backward()
+            return step
+
+        def padded_step(batch):
+            def step():
+                out = head(batch.input_ids, batch.position_ids, batch.targets,
+                           _token_mean_weights(batch.targets, ignore), attention_mask=batch.attention_mask)
+                out.loss.backward()
+            return step
+
+        def clear():
+            model.zero_grad(set_to_none=True)
+
+        n_real = sum(lengths)
+        rows = []
+        for name, steps in ((PACKED, [packed_step(x) for x in packed]), (PADDED, [padded_step(x) for x in padded])):
+            self.log(f"step: {name} ({len(steps)} micro-batches, {n_real} real tokens)")
+            try:
+                rows.append(self._time(name, "chat", steps, n_real, lengths, model, per_pass=True, clear=clear))
+            except Exception as err:
+                rows.append(StepRow(name, "chat", status="failed", detail=f"{type(err).__name__}: {err}"[:300]))
+            finally:
+                clear()
+                _release(self.device)
+        return rows
+
+    # ---- timing
+
+    def _time(self, name, layout, steps, tokens, seq_lens, model, *, per_pass=False, clear=None) -> StepRow:
+        """Time `steps` (callables): `warmup` untimed passes, then `steps` timed ones.
+
+        per_pass=False: each timed step is one call of the single callable; per_pass=True: each
+        timed unit is one pass over all callables (the chat micro-batches), and warm-up runs every
+        one of them once, so that every shape has been compiled before timing.
+        """
+        cfg = self.config
+        n_warmup = 1 if per_pass else cfg.warmup
+        n_timed = cfg.steps if not per_pass else 1
+        for _ in range(n_warmup):
+            for step in steps:
+                step()
+                if clear:
+                    clear()
+        synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        times = []
+        for _ in range(n_timed):
+            start = time.perf_counter()
+            for step in steps:
+                step()
+                if clear:
+                    clear()
+            synchronize(self.device)
+            times.append((time.perf_counter() - start) * 1e3)
+        ms = statistics.median(times)
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
+        return StepRow(
+            name, layout, steps=n_timed * (len(steps) if per_pass else 1), tokens=tokens, step_ms=ms,
+            tokens_per_s=tokens / (ms * 1e-3), peak_mem_gib=peak, flops=model_flops(model, tokens, seq_lens),
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# Data of the benchmark
+
+
+def synthetic_conversations(total_tokens: int, max_len: int, vocab_size: int, seed: int) -> list:
+    """Random-token conversations of mixed lengths adding up to about `total_tokens`.
+
+    Lengths are log-normal (sigma 0.8, median max_len / 6, at least 8 and at most max_len), the
+    long-tailed mix of chat data; the first 20-60% of each is masked as the prompt.
+    """
+    from ligertune.data.chat import IGNORE_INDEX, TokenizedExample
+
+    rng = random.Random(f"ligertune-bench-chat:{seed}")
+    median = max(8, max_len // 6)
+    examples, total = [], 0
+    while total < total_tokens:
+        n = int(min(max_len, max(8, rng.lognormvariate(math.log(median), 0.8))))
+        ids = [rng.randrange(vocab_size) for _ in range(n)]
+        prompt = int(n * rng.uniform(0.2, 0.6))
+        labels = [IGNORE_INDEX] * prompt + ids[prompt:]
+        examples.append(TokenizedExample(ids, labels, origin=f"synthetic:{len(examples)}"))
+        total += n
+    return examples
+
+
+def padded_groups(lengths: list[int], budget: int) -> list[list[int]]:
+    """Consecutive conversations per padded batch, while rows * longest stays within `budget` tokens."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        if current and (len(current) + 1) * max(longest, n) > budget:
+            groups.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, n)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _token_mean_weights(targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """w_t = 1 / |T| on supervised tokens: the `token` normalization of one micro-batch."""
+    supervised = (targets != ignore_index).float()
+    return supervised / supervised.sum().clamp(min=1.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Model facts
+
+
+def model_summary(model) -> dict[str, Any]:
+    cfg = model.config
+    return {
+        "type": type(model).__name__,
+        "params": sum(p.numel() for p in model.parameters()),
+        "matmul_params": matmul_params(model),
+        "vocab_size": int(cfg.vocab_size),
+        "hidden_size": int(cfg.hidden_size),
+        "layers": int(cfg.num_hidden_layers),
+        "heads": int(cfg.num_attention_heads),
+        "head_dim": int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads),
+    }
+
+
+def matmul_params(model) -> int:
+    """Parameters that multiply activations: all of them but an untied input embedding (a lookup)."""
+    total = sum(p.numel() for p in model.parameters())  # a tied weight is listed once
+    embedding = model.get_input_embeddings().weight
+    output = model.get_output_embeddings()
+    tied = output is not None and output.weight is embedding
+    return total if tied else total - embedding.numel()
+
+
+def model_flops(model, tokens: int, seq_lens: list[int]) -> float:
+    """6 P tokens + causal attention (forward + backward) over the sequences; see the module docstring."""
+    info = model_summary(model)
+    attention = 6.0 * info["layers"] * info["heads"] * info["head_dim"] * sum(n * n for n in seq_lens)
+    return 6.0 * info["matmul_params"] * tokens + attention
+
+
+def _spec_peak_tflops(name: str) -> float | None:
+    for key, value in PEAK_BF16_TFLOPS:
+        if key in name:
+            return value
+    return None
+
+
+def matmul_tflops(device: torch.device, n: int = 8192) -> float:
+    """bf16 TFLOP/s of an n x n x n matmul on random data (median of 10 after 3 warm-ups)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, generator=gen, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, generator=gen, device=device, dtype=torch.bfloat16)
+    out = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+    timing = measure(lambda: torch.mm(a, b, out=out), device=device, warmup=3, repeats=10, memory=False)
+    return 2.0 * n**3 / (timing.median_ms * 1e-3) / 1e12
+
+
+# --------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise UserError("train.device: cuda was asked for but no CUDA device is available")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _tokenizer_vocab(recipe: Recipe) -> int | None:
+    """The tokenizer's size when the model's config does not give a vocabulary (a `tiny-*` preset)."""
+    from ligertune.models import PRESETS
+
+    spec = recipe.model.config
+    fields = PRESETS.get(spec, {}) if isinstance(spec, str) else (spec or {})
+    if spec is None or "vocab_size" in fields:
+        return None
+    from ligertune.models import load_tokenizer
+
+    return len(load_tokenizer(recipe.model))
+
+
+@contextlib.contextmanager
+def _restored_module(name: str) -> Iterator[None]:
+    """Put a module's globals back as they were on exit (names rebound by a monkey patch)."""
+    module = importlib.import_module(name)
+    saved = dict(vars(module))
+    try:
+        yield
+    finally:
+        current = vars(module)
+        for key in [k for k in current if k not in saved]:
+            del current[key]
+        for key, value in saved.items():
+            if current.get(key) is not value:
+                setattr(module, key, value)
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()

@@ -1,0 +1,149 @@
+"""`ligertune bench [kernels | step RECIPE]`: kernels and training steps against torch and peers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from ligertune.cli.guard import guarded
+from ligertune.cli.options import RecipeArg, SetOpt
+
+app = typer.Typer(
+    help="Measure ligertune's kernels and training step against torch, Liger-Kernel and Cut Cross-Entropy.",
+    invoke_without_command=True,
+    rich_markup_mode="rich",
+)
+
+JsonFileOpt = Annotated[
+    Optional[Path], typer.Option("--json", help="Write every number (with device, versions, date) to FILE.",
+                                 metavar="FILE", show_default=False)
+]
+
+
+@app.callback()
+def _bench(ctx: typer.Context) -> None:
+    """Without a subcommand, `ligertune bench` runs `ligertune bench kernels` with its defaults."""
+    if ctx.invoked_subcommand is None:
+        kernels()
+
+
+@app.command("kernels")
+@guarded
+def kernels(
+    kernels_: Annotated[
+        str, typer.Option("--kernels", "-k", help="Comma-separated: flce, rms_norm, rope, swiglu.")
+    ] = "flce,rms_norm,rope,swiglu",
+    shapes: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--shapes",
+            help="KERNEL:AxBx... replacing that kernel's default shapes (repeatable): flce:NxHxV, "
+            "rms_norm:TxH, swiglu:TxI, rope:BxLxHqxHkxD.",
+            metavar="KERNEL:SHAPE",
+            show_default=False,
+        ),
+    ] = None,
+    json_file: JsonFileOpt = None,
+    plot: Annotated[
+        Optional[Path], typer.Option("--plot", help="Draw a bar chart PNG to FILE (needs matplotlib).",
+                                     metavar="FILE", show_default=False)
+    ] = None,
+    repeats: Annotated[
+        Optional[int], typer.Option("--repeats", "-n", min=1, help="Timed calls per row (default 10 on CUDA, 3 on CPU).",
+                                    show_default=False)
+    ] = None,
+    warmup: Annotated[
+        Optional[int], typer.Option("--warmup", min=0, help="Untimed calls first (default 2 on CUDA, 1 on CPU).",
+                                    show_default=False)
+    ] = None,
+    device: Annotated[str, typer.Option("--device", help="auto, cuda or cpu.")] = "auto",
+    dtype: Annotated[
+        Optional[str], typer.Option("--dtype", help="bfloat16, float16 or float32 (default bf16 on CUDA, fp32 on CPU).",
+                                    show_default=False)
+    ] = None,
+    compile_: Annotated[
+        Optional[bool], typer.Option("--compile/--no-compile", help="Also time torch.compile of the eager "
+                                     "functions (default: on CUDA only).", show_default=False)
+    ] = None,
+    flush_l2: Annotated[bool, typer.Option("--flush-l2", help="Evict the L2 cache before every timed call.")] = False,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the random inputs.")] = 0,
+) -> None:
+    """Time each kernel forward + backward against torch eager, torch.compile and the peers, on the same
+    inputs, with its error against the float32 reference.
+
+    Example: [bold]ligertune bench kernels -k flce --shapes flce:8192x4096x128256 --json bench.json[/]
+    """
+    from ligertune.bench.kernels import KernelBenchConfig, parse_shape, run_kernel_bench
+    from ligertune.bench.report import kernel_tables, plot_kernels, require_matplotlib, write_json
+    from ligertune.errors import UserError
+
+    names = tuple(k.strip().replace("-", "_") for k in kernels_.split(",") if k.strip())
+    if not names:
+        raise UserError("--kernels: name at least one of flce, rms_norm, rope, swiglu")
+    parsed: dict[str, list[tuple[int, ...]]] = {}
+    for text in shapes or []:
+        kernel, values = parse_shape(text)
+        parsed.setdefault(kernel, []).append(values)
+    if plot is not None:
+        require_matplotlib()
+    config = KernelBenchConfig(
+        kernels=names, shapes=parsed, device=device, dtype=dtype, repeats=repeats, warmup=warmup,
+        compile=compile_, flush_l2=flush_l2, seed=seed,
+    )
+    console = Console()
+    progress = Console(stderr=True, highlight=False)
+    report = run_kernel_bench(config, log=lambda line: progress.print(f"[dim]{line}[/]"))
+    if report.note:
+        console.print(f"[yellow]{report.note}[/]")
+    console.print(f"[dim]{report.device}, {report.dtype}, median of {report.repeats} after {report.warmup} "
+                  f"warm-up; errors against the {report.reference_dtype} reference[/]")
+    for table in kernel_tables(report):
+        console.print(table)
+    if json_file is not None:
+        write_json(json_file, report.to_dict())
+        console.print(f"wrote {json_file}")
+    if plot is not None:
+        plot_kernels(report, plot)
+        console.print(f"wrote {plot}")
+
+
+@app.command("step")
+@guarded
+def step(
+    recipe: RecipeArg,
+    set_: SetOpt = None,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Timed training steps per variant.")] = 5,
+    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Untimed steps first.")] = 2,
+    chat: Annotated[
+        bool, typer.Option("--chat/--no-chat", help="Also compare packed and padded chat batches.")
+    ] = True,
+    peak_tflops: Annotated[
+        Optional[float], typer.Option("--peak-tflops", help="The device's peak bf16 TFLOP/s for MFU "
+                                      "(default: known GPUs' data sheet).", show_default=False)
+    ] = None,
+    json_file: JsonFileOpt = None,
+) -> None:
+    """Time one training step of the recipe's model on a synthetic batch (micro_batch_size x
+    max_seq_len tokens): ligertune kernels on, plain transformers, and transformers + Liger.
+
+    Example: [bold]ligertune bench step recipes/bench/llama-3.2-1b.yaml --steps 10 --json step.json[/]
+    """
+    from ligertune.bench.report import step_header, step_table, write_json
+    from ligertune.bench.step import StepBenchConfig, run_step_bench
+    from ligertune.recipe import load_recipe
+
+    loaded = load_recipe(recipe, list(set_ or []))
+    config = StepBenchConfig(steps=steps, warmup=warmup, chat=chat, peak_tflops=peak_tflops)
+    console = Console()
+    progress = Console(stderr=True, highlight=False)
+    report = run_step_bench(loaded, config, recipe_name=str(recipe),
+                            log=lambda line: progress.print(f"[dim]{line}[/]"))
+    for line in step_header(report):
+        console.print(line, highlight=False)
+    console.print(step_table(report))
+    if json_file is not None:
+        write_json(json_file, report.to_dict())
+        console.print(f"wrote {json_file}")

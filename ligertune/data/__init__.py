@@ -1,0 +1,51 @@
+"""Chat data: records -> normalized conversations -> tokenized, masked examples -> packs -> batches.
+
+    prepare_data(cfg, tokenizer, seed=...)  -> PreparedData(train, eval, stats)   (prepare.py)
+    tokenize_conversation(tokenizer, messages, train_on=...) -> TokenizedExample  (chat.py)
+    pack(examples, max_seq_len, packing=...) -> list[Pack]; shuffled(packs, seed=, epoch=)  (packing.py)
+    collate(packs) -> Batch (one flattened row); collate_padded(items, pad_id) -> PaddedBatch  (batching.py)
+    packing_stats(packs, max_seq_len) -> PackingStats  (stats.py)
+"""
+
+from __future__ import annotations
+
+from ligertune.data.batching import Batch, PaddedBatch, collate, collate_padded
+from ligertune.data.chat import (
+    IGNORE_INDEX,
+    ConversationError,
+    TokenizedExample,
+    tokenize_conversation,
+    trained_segments,
+)
+from ligertune.data.formats import Conversation, read_conversations
+from ligertune.data.packing import Pack, best_fit_decreasing, pack, packs_of_one, shift_labels, shuffled
+from ligertune.data.prepare import PreparedData, prepare_data
+from ligertune.data.stats import DataStats, LengthBucket, PackingStats, SourceStats, length_histogram, packing_stats
+
+__all__ = [
+    "IGNORE_INDEX",
+    "Batch",
+    "Conversation",
+    "ConversationError",
+    "DataStats",
+    "LengthBucket",
+    "Pack",
+    "PackingStats",
+    "PaddedBatch",
+    "PreparedData",
+    "SourceStats",
+    "TokenizedExample",
+    "best_fit_decreasing",
+    "collate",
+    "collate_padded",
+    "length_histogram",
+    "pack",
+    "packing_stats",
+    "packs_of_one",
+    "prepare_data",
+    "read_conversations",
+    "shift_labels",
+    "shuffled",
+    "tokenize_conversation",
+    "trained_segments",
+]

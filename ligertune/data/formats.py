@@ -1,0 +1,366 @@
+"""Reading chat records from files or the hub, and normalizing them to `{"role", "content"}` messages.
+
+Three record formats are accepted (`data.format`, or detected from a source's first record):
+
+    messages           {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", ...}]}
+    sharegpt           {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", ...}]}
+    prompt_completion  {"prompt": "Hi", "completion": "Hello!"}   (either side may be a message list)
+
+Every record keeps its origin (`path:line`, `path:row N` for Parquet and hub rows), so that a
+malformed one is reported where a person can find it. Messages are counted from 1 in messages,
+like lines.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from ligertune.errors import DataError
+
+FORMATS = ("messages", "sharegpt", "prompt_completion")
+ROLES = ("system", "user", "assistant", "tool")
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+# ShareGPT speaker names, including the tool-calling variants some datasets use.
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "function_call": "assistant",
+    "tool": "tool",
+    "observation": "tool",
+    "function_response": "tool",
+}
+
+Message = dict[str, str]
+
+
+@dataclass
+class Conversation:
+    """One normalized conversation and where it came from."""
+
+    messages: list[Message]
+    origin: str
+
+
+class RecordError(ValueError):
+    """A malformed record; the reader adds its origin before it reaches the user."""
+
+
+@dataclass
+class BadRecord:
+    """A record that could not be parsed at all (invalid JSON, not UTF-8)."""
+
+    problem: str
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading raw records
+
+
+def is_local(path: str) -> bool:
+    """A source is a local file when it exists or names a data file; anything else is a hub name."""
+    p = Path(path).expanduser()
+    return p.exists() or p.suffix.lower() in LOCAL_SUFFIXES
+
+
+def iter_records(path: str, *, split: str = "train") -> Iterator[tuple[str, Any]]:
+    """Yield `(origin, record)` for every record of a source, in order.
+
+    A record that cannot be parsed comes back as a `BadRecord` so the caller can apply its
+    `on_bad_record` policy; a source that cannot be opened raises `DataError`.
+    """
+    if not is_local(path):
+        yield from _iter_hub(path, split)
+        return
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise DataError(f"{path}: data file not found" if not file.exists() else f"{path}: not a file")
+    suffix = file.suffix.lower()
+    if suffix == ".parquet":
+        yield from _iter_parquet(file, path)
+    elif suffix in (".jsonl", ".json"):
+        yield from _iter_json(file, path)
+    else:
+        raise DataError(f"{path}: unsupported file type {suffix!r} (expected .jsonl, .json or .parquet)")
+
+
+def _iter_json(file: Path, name: str) -> Iterator[tuple[str, Any]]:
+    """JSON Lines, or one JSON array of records (a `.json` file whose first character is `[`)."""
+    with file.open("rb") as f:
+        head = f.read(4096).lstrip()
+    if head.startswith(b"\xef\xbb\xbf"):
+        head = head[3:].lstrip()
+    if head.startswith(b"["):
+        yield from _iter_json_array(file, name)
+        return
+    with file.open("rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if lineno == 1 and line.startswith(b"\xef\xbb\xbf"):
+                line = line[3:]
+            if not line.strip():
+                continue
+            try:
+                yield f"{name}:{lineno}", json.loads(line)
+            except UnicodeDecodeError:
+                yield f"{name}:{lineno}", BadRecord("not valid UTF-8")
+            except json.JSONDecodeError as err:
+                yield f"{name}:{lineno}", BadRecord(f"invalid JSON: {err.msg} (column {err.colno})")
+
+
+def _iter_json_array(file: Path, name: str) -> Iterator[tuple[str, Any]]:
+    """Decode a top-level array element by element, so each record knows the line it starts on.
+
+    After a syntax error inside an array there is no next record to resynchronize on, so that error
+    stops the read whatever `on_bad_record` says.
+    """
+    try:
+        text = file.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise DataError(f"{name}: not valid UTF-8 (byte {err.start})") from None
+    decoder = json.JSONDecoder()
+    # Lines are counted incrementally: counting from the start for every record is quadratic.
+    pos, counted, line = 0, 0, 1
+
+    def advance(to: int) -> None:
+        nonlocal counted, line
+        line += text.count("\n", counted, to)
+        counted = to
+
+    def skip_space(pos: int) -> int:
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+        return pos
+
+    pos = skip_space(text.index("[") + 1)
+    while pos < len(text) and text[pos] != "]":
+        advance(pos)
+        try:
+            record, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{name}:{err.lineno}: invalid JSON: {err.msg} (column {err.colno})") from None
+        yield f"{name}:{line}", record
+        pos = skip_space(end)
+        if pos < len(text) and text[pos] == ",":
+            pos = skip_space(pos + 1)
+        elif pos < len(text) and text[pos] != "]":
+            advance(pos)
+            raise DataError(f"{name}:{line}: invalid JSON: expected ',' or ']' after a record")
+    if pos >= len(text):
+        advance(len(text))
+        raise DataError(f"{name}:{line}: invalid JSON: the array is not closed")
+
+
+def _iter_parquet(file: Path, name: str) -> Iterator[tuple[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{name}: reading Parquet needs pyarrow (pip install 'ligertune[parquet]')") from None
+    try:
+        reader = pq.ParquetFile(file)
+        row = 0
+        for batch in reader.iter_batches(batch_size=4096):
+            for record in batch.to_pylist():
+                row += 1
+                yield f"{name}:row {row}", record
+    except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
+        raise DataError(f"{name}: cannot read Parquet: {err}") from None
+
+
+def _iter_hub(name: str, split: str) -> Iterator[tuple[str, Any]]:
+    """Rows of a hub dataset through `datasets.load_dataset` (imported only when needed)."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(
+            f"{name}: no such local file, and reading it as a hub dataset needs the `datasets` "
+            "package (pip install 'ligertune[hub]')"
+        ) from None
+    try:
+        dataset = datasets.load_dataset(name, split=split)
+    except Exception as err:  # the hub raises many kinds: connection, not found, unknown split
+        raise DataError(f"{name}: cannot load the hub dataset (split {split!r}): {err}") from None
+    for row, record in enumerate(dataset, 1):
+        yield f"{name}[{split}]:row {row}", record
+
+
+def source_fingerprint(path: str, split: str) -> str | None:
+    """What identifies a source's content for the cache: path, size and mtime of a local file.
+
+    Hub datasets are identified by the fingerprint `datasets` computes for them; None (no cache)
+    when it cannot be had without loading the dataset.
+    """
+    if is_local(path):
+        file = Path(path).expanduser().resolve()
+        try:
+            st = file.stat()
+        except OSError:
+            return None
+        return f"{file}|{st.st_size}|{st.st_mtime_ns}"
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Normalizing records
+
+
+def detect_format(record: Any) -> str:
+    """The format a record is written in, from its keys."""
+    if not isinstance(record, dict):
+        raise RecordError(f"expected a JSON object, got {_kind(record)}")
+    if "messages" in record:
+        return "messages"
+    if "conversations" in record:
+        return "sharegpt"
+    if "prompt" in record and "completion" in record:
+        return "prompt_completion"
+    keys = ", ".join(map(str, list(record)[:8])) or "none"
+    raise RecordError(
+        f"cannot tell the format: expected a `messages`, `conversations` or `prompt` + `completion` "
+        f"key, got keys {keys}"
+    )
+
+
+def normalize(record: Any, fmt: str) -> list[Message]:
+    """The record as a list of `{"role", "content"}` messages, or `RecordError` naming the problem."""
+    if not isinstance(record, dict):
+        raise RecordError(f"expected a JSON object, got {_kind(record)}")
+    if fmt == "messages":
+        return _messages(_required(record, "messages", fmt), "messages")
+    if fmt == "sharegpt":
+        return _sharegpt(_required(record, "conversations", fmt))
+    if fmt == "prompt_completion":
+        return _prompt_completion(record)
+    raise ValueError(f"unknown format {fmt!r}")
+
+
+def _required(record: dict, key: str, fmt: str) -> Any:
+    if key not in record:
+        raise RecordError(f"missing `{key}` (format {fmt})")
+    return record[key]
+
+
+def _messages(items: Any, key: str, *, first_number: int = 1) -> list[Message]:
+    if not isinstance(items, list):
+        raise RecordError(f"`{key}` must be a list of messages, got {_kind(items)}")
+    if not items:
+        raise RecordError("empty conversation")
+    out = []
+    for number, item in enumerate(items, first_number):
+        if not isinstance(item, dict):
+            raise RecordError(f"message {number} is not an object (got {_kind(item)})")
+        if "role" not in item:
+            raise RecordError(f"message {number} has no `role`")
+        role = item["role"]
+        if role not in ROLES:
+            raise RecordError(f"message {number} has unknown role {role!r} (expected {', '.join(ROLES)})")
+        out.append({"role": role, "content": _content(item, "content", number)})
+    return out
+
+
+def _sharegpt(items: Any) -> list[Message]:
+    if not isinstance(items, list):
+        raise RecordError(f"`conversations` must be a list of turns, got {_kind(items)}")
+    if not items:
+        raise RecordError("empty conversation")
+    out = []
+    for number, item in enumerate(items, 1):
+        if not isinstance(item, dict):
+            raise RecordError(f"message {number} is not an object (got {_kind(item)})")
+        if "from" not in item:
+            raise RecordError(f"message {number} has no `from`")
+        speaker = item["from"]
+        if speaker not in SHAREGPT_ROLES:
+            raise RecordError(
+                f"message {number} has unknown `from` {speaker!r} (expected {', '.join(SHAREGPT_ROLES)})"
+            )
+        out.append({"role": SHAREGPT_ROLES[speaker], "content": _content(item, "value", number)})
+    return out
+
+
+def _prompt_completion(record: dict) -> list[Message]:
+    """A prompt and its completion: plain strings (one user and one assistant turn) or message lists."""
+    for key in ("prompt", "completion"):
+        if key not in record:
+            raise RecordError(f"missing `{key}` (format prompt_completion)")
+    prompt, completion = record["prompt"], record["completion"]
+    if isinstance(prompt, str):
+        head = [{"role": "user", "content": prompt}]
+        system = record.get("system")
+        if system is not None:
+            if not isinstance(system, str):
+                raise RecordError(f"`system` must be a string, got {_kind(system)}")
+            head.insert(0, {"role": "system", "content": system})
+    elif isinstance(prompt, list):
+        head = _messages(prompt, "prompt")
+    else:
+        raise RecordError(f"`prompt` must be a string or a list of messages, got {_kind(prompt)}")
+    if isinstance(completion, str):
+        tail = [{"role": "assistant", "content": completion}]
+    elif isinstance(completion, list):
+        tail = _messages(completion, "completion", first_number=len(head) + 1)
+    else:
+        raise RecordError(f"`completion` must be a string or a list of messages, got {_kind(completion)}")
+    return head + tail
+
+
+def _content(item: dict, key: str, number: int) -> str:
+    if key not in item:
+        raise RecordError(f"message {number} has no `{key}`")
+    content = item[key]
+    if not isinstance(content, str):
+        raise RecordError(f"message {number} has non-string `{key}` (got {_kind(content)})")
+    return content
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(
+        type(value), type(value).__name__
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Records -> conversations
+
+
+@dataclass
+class ReadResult:
+    """The conversations of one source, with the malformed records that were skipped."""
+
+    conversations: list[Conversation]
+    records: int
+    bad: list[str]
+
+
+def read_conversations(path: str, *, fmt: str = "auto", split: str = "train",
+                       on_bad_record: str = "error") -> ReadResult:
+    """Read and normalize every record of one source.
+
+    `fmt="auto"` takes the format of the first record that is an object. With
+    `on_bad_record="error"` the first malformed record raises `DataError("path:line: problem")`;
+    with `"skip"` it is counted and listed in `bad`.
+    """
+    conversations: list[Conversation] = []
+    bad: list[str] = []
+    records = 0
+    for origin, record in iter_records(path, split=split):
+        records += 1
+        try:
+            if isinstance(record, BadRecord):
+                raise RecordError(record.problem)
+            if fmt == "auto":
+                fmt = detect_format(record)
+            conversations.append(Conversation(normalize(record, fmt), origin))
+        except RecordError as err:
+            message = f"{origin}: {err}"
+            if on_bad_record == "error":
+                raise DataError(message) from None
+            bad.append(message)
+    return ReadResult(conversations, records, bad)

@@ -1,0 +1,414 @@
+"""From the recipe's `data` section to tokenized training and evaluation examples.
+
+For every source (`data.path`, or each of `data.sources`, and `data.eval_path`):
+
+1. read and normalize its records (`formats`), applying `on_bad_record`;
+2. render and mask each conversation (`chat.tokenize_conversation`), in parallel over
+   `num_workers` processes when there is enough data to pay for them;
+3. apply the length policy: a conversation longer than `max_seq_len` loses trailing turns until
+   it fits, cutting after an assistant turn so it still ends on a trained answer
+   (`truncation: drop_turns`; dropped when even the first answer does not fit), or is dropped
+   (`truncation: drop`). A conversation with no trained token is dropped. All are counted;
+4. cache the result per source (`cache`).
+
+Then, deterministically under `seed`: `eval_fraction` holds out that share of every source, and
+the training part of each source is resized by `weight` or `samples`. A source of n conversations
+that must give m is repeated floor(m / n) times in full, plus a random m mod n of its conversations
+without replacement: as close to the asked share as sampling with replacement, with less noise.
+With weights, m_i = round(N * w_i / sum(w)) where N is the total number of training conversations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import random
+import sys
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from ligertune.data import cache
+from ligertune.data.chat import (
+    ConversationError,
+    TokenizedExample,
+    check_tokenizer,
+    encode,
+    render,
+    tokenize_conversation,
+)
+from ligertune.data.formats import Conversation, read_conversations, source_fingerprint
+from ligertune.data.stats import DataStats, SourceStats, merge_counts
+from ligertune.errors import DataError
+from ligertune.recipe import DataConfig, DataSource
+
+# Below this many conversations per worker, starting processes costs more than it saves.
+PARALLEL_MIN_PER_WORKER = 256
+BAD_RECORD_EXAMPLES = 5
+
+
+@dataclass
+class PreparedData:
+    """Tokenized conversations ready for packing, and what happened on the way."""
+
+    train: list[TokenizedExample]
+    eval: list[TokenizedExample]
+    stats: DataStats
+
+
+@dataclass(frozen=True)
+class TokenizeSettings:
+    """The settings that shape a tokenized example (and so key the cache)."""
+
+    train_on: str
+    max_seq_len: int
+    truncation: str
+
+
+@dataclass
+class Outcome:
+    """What became of one conversation: kept (`ok`, `truncated`), dropped (a reason) or `bad`."""
+
+    status: str
+    example: TokenizedExample | None = None
+    turns_removed: int = 0
+    problem: str = ""
+
+
+# --------------------------------------------------------------------------------------------------
+# One conversation
+
+
+def process_conversation(tokenizer: Any, conversation: Conversation, settings: TokenizeSettings) -> Outcome:
+    """Tokenize, mask and fit one conversation to `max_seq_len`."""
+    try:
+        example = tokenize_conversation(tokenizer, conversation.messages, train_on=settings.train_on)
+        if example.trained_tokens == 0:
+            return Outcome("no_trained_tokens")
+        removed = 0
+        if len(example) > settings.max_seq_len:
+            if settings.truncation == "drop":
+                return Outcome("too_long")
+            example, removed = drop_trailing_turns(tokenizer, conversation.messages, settings)
+            if example is None:
+                return Outcome("too_long")
+            if example.trained_tokens == 0:
+                return Outcome("no_trained_tokens")
+    except ConversationError as err:
+        return Outcome("bad", problem=f"{conversation.origin}: {err}")
+    example.origin = conversation.origin
+    return Outcome("truncated" if removed else "ok", example, removed)
+
+
+def drop_trailing_turns(
+    tokenizer: Any, messages: Sequence[dict], settings: TokenizeSettings
+) -> tuple[TokenizedExample | None, int]:
+    """The longest prefix ending on an assistant turn that fits, and how many messages it lost.
+
+    The rendered length grows with the number of messages, so the cut is found by bisection over
+    the assistant turns: O(log turns) renderings instead of one per removed turn.
+    """
+    cuts = [k + 1 for k, m in enumerate(messages) if m["role"] == "assistant" and k + 1 < len(messages)]
+    lo, hi, best = 0, len(cuts) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        n_tokens = len(encode(tokenizer, render(tokenizer, messages[: cuts[mid]]))[0])
+        if n_tokens <= settings.max_seq_len:
+            best, lo = cuts[mid], mid + 1
+        else:
+            hi = mid - 1
+    if best is None:
+        return None, 0
+    example = tokenize_conversation(tokenizer, messages[:best], train_on=settings.train_on)
+    return example, len(messages) - best
+
+
+# --------------------------------------------------------------------------------------------------
+# Many conversations, possibly in parallel
+
+# Per worker process: set once by the pool initializer (the tokenizer is sent once per worker, not
+# once per task); the parent process never reads or writes it.
+_worker_job: dict[str, Any] = {}
+
+
+def _init_worker(tokenizer: Any, settings: TokenizeSettings) -> None:
+    _worker_job["tokenizer"], _worker_job["settings"] = tokenizer, settings
+
+
+def _process_chunk(chunk: list[Conversation]) -> list[Outcome]:
+    tokenizer, settings = _worker_job["tokenizer"], _worker_job["settings"]
+    return [process_conversation(tokenizer, c, settings) for c in chunk]
+
+
+def worker_count(num_workers: int | None) -> int:
+    if num_workers is not None:
+        return num_workers
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def make_pool(tokenizer: Any, settings: TokenizeSettings, workers: int):
+    """A process pool whose workers hold the tokenizer.
+
+    fork on Linux: no re-import, and the tokenizer is inherited rather than pickled. The pool is
+    made before any progress display starts its thread, so no lock is copied mid-use.
+    """
+    method = "fork" if sys.platform.startswith("linux") else "spawn"
+    context = multiprocessing.get_context(method)
+    return context.Pool(workers, initializer=_init_worker, initargs=(tokenizer, settings))
+
+
+def tokenize_conversations(
+    conversations: Sequence[Conversation],
+    tokenizer: Any,
+    settings: TokenizeSettings,
+    *,
+    pool: Any = None,
+    workers: int = 1,
+    on_progress: Any = None,
+) -> list[Outcome]:
+    """`process_conversation` over every conversation, in order; on `pool` when one is given."""
+    on_progress = on_progress or (lambda n: None)
+    if pool is None:
+        outcomes = []
+        for conversation in conversations:
+            outcomes.append(process_conversation(tokenizer, conversation, settings))
+            on_progress(1)
+        return outcomes
+    # Several chunks per worker keep them all busy to the end; chunks big enough to amortize IPC.
+    size = max(16, min(2048, len(conversations) // (8 * workers) + 1))
+    chunks = [list(conversations[i : i + size]) for i in range(0, len(conversations), size)]
+    outcomes = []
+    for result in pool.imap(_process_chunk, chunks):
+        outcomes.extend(result)
+        on_progress(len(result))
+    return outcomes
+
+
+# --------------------------------------------------------------------------------------------------
+# Sources
+
+
+@dataclass
+class SourceData:
+    """One source after tokenization: usable examples and its counts."""
+
+    examples: list[TokenizedExample]
+    stats: SourceStats
+    bad: list[str]
+
+
+def collect(outcomes: Sequence[Outcome], stats: SourceStats, on_bad_record: str, bad: list[str]) -> list[TokenizedExample]:
+    """Keep the examples, count the rest; the first bad conversation raises under `on_bad_record: error`."""
+    examples = []
+    for outcome in outcomes:
+        if outcome.status == "bad":
+            if on_bad_record == "error":
+                raise DataError(outcome.problem)
+            stats.bad_records += 1
+            bad.append(outcome.problem)
+        elif outcome.example is None:
+            stats.dropped[outcome.status] = stats.dropped.get(outcome.status, 0) + 1
+        else:
+            examples.append(outcome.example)
+            if outcome.status == "truncated":
+                stats.truncated["trailing_turns"] = stats.truncated.get("trailing_turns", 0) + 1
+                stats.turns_removed += outcome.turns_removed
+    stats.kept = len(examples)
+    return examples
+
+
+class _Tokenizing:
+    """Reads, tokenizes and caches sources for one `prepare_data` call."""
+
+    def __init__(self, cfg: DataConfig, tokenizer: Any, show_progress: bool):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.settings = TokenizeSettings(cfg.train_on, cfg.max_seq_len, cfg.truncation)
+        self.workers = worker_count(cfg.num_workers)
+        self.show_progress = show_progress
+        self._tokenizer_fp: str | None = None
+
+    def cache_file(self, source: DataSource, fmt: str):
+        if self.cfg.cache_dir is None:
+            return None
+        fingerprint = source_fingerprint(source.path, source.split)
+        if fingerprint is None:
+            return None
+        if self._tokenizer_fp is None:
+            self._tokenizer_fp = cache.tokenizer_fingerprint(self.tokenizer)
+        key = cache.cache_key(
+            source=fingerprint, format=fmt, split=source.split, on_bad_record=self.cfg.on_bad_record,
+            settings=dataclasses.asdict(self.settings), tokenizer=self._tokenizer_fp,
+        )
+        return cache.cache_path(self.cfg.cache_dir, key)
+
+    def run(self, sources: list[DataSource]) -> list[SourceData]:
+        results: list[SourceData | None] = [None] * len(sources)
+        pending: list[tuple[int, Any, list[Conversation], SourceStats, list[str]]] = []
+        for i, source in enumerate(sources):
+            fmt = self.cfg.format if source.format == "auto" else source.format
+            path = self.cache_file(source, fmt)
+            hit = cache.load(path) if path is not None else None
+            if hit is not None:
+                examples, meta = hit
+                stats = SourceStats(**{**meta["stats"], "cached": True})
+                results[i] = SourceData(examples, stats, list(meta["bad"]))
+                continue
+            read = read_conversations(source.path, fmt=fmt, split=source.split,
+                                      on_bad_record=self.cfg.on_bad_record)
+            stats = SourceStats(source.path, records=read.records, bad_records=len(read.bad))
+            pending.append((i, path, read.conversations, stats, list(read.bad)))
+        if not pending:
+            return results  # type: ignore[return-value]
+
+        total = sum(len(convs) for _, _, convs, _, _ in pending)
+        workers = min(self.workers, max(1, total // PARALLEL_MIN_PER_WORKER))
+        pool = make_pool(self.tokenizer, self.settings, workers) if workers > 1 else None
+        try:
+            with _progress(self.show_progress) as progress:
+                for i, path, conversations, stats, bad in pending:
+                    task = progress.add_task(f"tokenizing {_short(sources[i].path)}", total=len(conversations))
+                    outcomes = tokenize_conversations(
+                        conversations, self.tokenizer, self.settings, pool=pool, workers=workers,
+                        on_progress=lambda n, task=task: progress.advance(task, n),
+                    )
+                    examples = collect(outcomes, stats, self.cfg.on_bad_record, bad)
+                    if path is not None:
+                        self._save(path, examples, stats, bad)
+                    results[i] = SourceData(examples, stats, bad)
+        finally:
+            if pool is not None:
+                pool.terminate()
+        return results  # type: ignore[return-value]
+
+    @staticmethod
+    def _save(path, examples: list[TokenizedExample], stats: SourceStats, bad: list[str]) -> None:
+        try:
+            cache.save(path, examples, {"stats": dataclasses.asdict(stats), "bad": bad[:BAD_RECORD_EXAMPLES]})
+        except OSError:
+            pass  # an unwritable cache only costs the next run its head start
+
+
+def _progress(show: bool) -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("conversations"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+        disable=not show,
+    )
+
+
+def _short(path: str, width: int = 48) -> str:
+    return path if len(path) <= width else "..." + path[-(width - 3):]
+
+
+# --------------------------------------------------------------------------------------------------
+# Splitting and sampling
+
+
+def hold_out(examples: list[TokenizedExample], fraction: float, rng: random.Random
+             ) -> tuple[list[TokenizedExample], list[TokenizedExample]]:
+    """(train, eval): round(n * fraction) examples held out (at least one when fraction > 0 and n >= 2)."""
+    n = len(examples)
+    if fraction <= 0 or n < 2:
+        return examples, []
+    n_eval = min(n - 1, max(1, round(n * fraction)))
+    chosen = set(rng.sample(range(n), n_eval))
+    return ([e for i, e in enumerate(examples) if i not in chosen],
+            [e for i, e in enumerate(examples) if i in chosen])
+
+
+def take(examples: list[TokenizedExample], count: int, rng: random.Random) -> list[TokenizedExample]:
+    """`count` examples: whole copies of the list, then a random subset (without replacement) of the rest."""
+    n = len(examples)
+    if count == n:
+        return list(examples)
+    whole, rest = divmod(count, n)
+    picked = sorted(rng.sample(range(n), rest))
+    return list(examples) * whole + [examples[i] for i in picked]
+
+
+def target_counts(sources: list[DataSource], sizes: list[int]) -> list[int]:
+    """Training conversations to take from each source, from its `samples` or `weight`."""
+    if any(s.samples is not None for s in sources):
+        return [s.samples if s.samples is not None else size for s, size in zip(sources, sizes)]
+    if any(s.weight is not None for s in sources):
+        weights = [s.weight if s.weight is not None else 1.0 for s in sources]
+        total = sum(sizes)
+        return [round(total * w / sum(weights)) for w in weights]
+    return list(sizes)
+
+
+# --------------------------------------------------------------------------------------------------
+# Entry point
+
+
+def prepare_data(cfg: DataConfig, tokenizer: Any, *, seed: int, show_progress: bool = True) -> PreparedData:
+    """Read, tokenize, mask, fit, split and weight the recipe's data (see the module docstring).
+
+    Raises `DataError` naming file and line for the first malformed record (unless
+    `on_bad_record: skip`), and when a source asked to give conversations has none usable.
+    """
+    check_tokenizer(tokenizer)
+    if cfg.path is None and not cfg.sources:
+        raise DataError("data: give `path` (one source) or `sources` (several)")
+    train_sources = cfg.sources or [DataSource(path=cfg.path, format=cfg.format, split=cfg.split)]
+    all_sources = list(train_sources)
+    if cfg.eval_path is not None:
+        all_sources.append(DataSource(path=cfg.eval_path, format=cfg.format, split=cfg.split))
+    loaded = _Tokenizing(cfg, tokenizer, show_progress).run(all_sources)
+
+    train_parts, eval_parts = [], []
+    for i, data in enumerate(loaded[: len(train_sources)]):
+        rng = random.Random(f"ligertune-data:{seed}:eval:{i}")
+        train_i, eval_i = hold_out(data.examples, cfg.eval_fraction, rng)
+        data.stats.eval = len(eval_i)
+        train_parts.append(train_i)
+        eval_parts.append(eval_i)
+    if cfg.eval_path is not None:
+        eval_data = loaded[-1]
+        eval_data.stats.eval = len(eval_data.examples)
+        eval_parts.append(eval_data.examples)
+
+    counts = target_counts(train_sources, [len(part) for part in train_parts])
+    train: list[TokenizedExample] = []
+    for i, (source, part, count) in enumerate(zip(train_sources, train_parts, counts)):
+        if count > 0 and not part:
+            raise DataError(f"{source.path}: no usable conversation to take {count} from "
+                            f"(dropped: {loaded[i].stats.dropped or 'none'}, bad: {loaded[i].stats.bad_records})")
+        taken = take(part, count, random.Random(f"ligertune-data:{seed}:take:{i}")) if part else []
+        loaded[i].stats.taken = len(taken)
+        train.extend(taken)
+    eval_examples = [e for part in eval_parts for e in part]
+    return PreparedData(train, eval_examples, summarize(loaded, train, eval_examples))
+
+
+def summarize(loaded: list[SourceData], train: list[TokenizedExample], eval_examples: list[TokenizedExample]
+              ) -> DataStats:
+    stats = DataStats(sources=[data.stats for data in loaded])
+    for data in loaded:
+        s = data.stats
+        stats.conversations_read += s.records
+        stats.bad_records += s.bad_records
+        merge_counts(stats.dropped, s.dropped)
+        merge_counts(stats.truncated, s.truncated)
+        stats.turns_removed += s.turns_removed
+        stats.bad_record_examples.extend(data.bad[: BAD_RECORD_EXAMPLES - len(stats.bad_record_examples)])
+    stats.train_conversations = len(train)
+    stats.eval_conversations = len(eval_examples)
+    stats.total_tokens = sum(len(e) for e in train)
+    stats.trained_tokens = sum(e.trained_tokens for e in train)
+    stats.eval_total_tokens = sum(len(e) for e in eval_examples)
+    stats.eval_trained_tokens = sum(e.trained_tokens for e in eval_examples)
+    return stats

@@ -1,0 +1,335 @@
+"""Attention that keeps the conversations of a pack apart.
+
+A pack holds several conversations in one row:
+
+    tokens      a0 a1 a2 b0 b1 c0 c1 c2 c3
+    position    0  1  2  0  1  0  1  2  3
+    cu_seqlens  [0, 3, 5, 9]
+
+Token b1 may attend to b0 and itself, never to a0..a2: the mask is block-diagonal and causal inside
+each block. Position ids that restart per conversation give each block the right rotary phases but
+do not by themselves restrict attention, so the boundaries are passed explicitly, as the forward
+kwargs `cu_seq_lens_q/k` (int32 cumulative lengths over the flattened [batch * seq] tokens) and
+`max_length_q/k` (the longest conversation), which `transformers` hands down to the attention
+function of every layer (`packed_attention_kwargs` builds them).
+
+`register_packed_attention()` makes the function available as `attn_implementation="ligertune_packed"`:
+
+- with those kwargs, on CUDA in fp16/bf16: `torch.nn.attention.varlen.varlen_attn`, FlashAttention's
+  variable-length kernel inside PyTorch, which never forms the mask at all;
+- with those kwargs otherwise (CPU, fp32, softcapped logits, attention dropout, no varlen_attn):
+  `scaled_dot_product_attention` with the block-diagonal causal mask built from cu_seqlens;
+- without them, with a padding mask or a KV cache (`generate()`): exactly `transformers`' sdpa
+  attention with the mask the model built;
+- without them and without any mask: conversations are split where the position ids do not go up
+  by one (the rule `transformers` itself uses to detect packed rows), else plain causal attention.
+
+Sliding-window layers (Mistral, Qwen2, Gemma 2/3) keep their window inside each conversation.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+PACKED_ATTENTION = "ligertune_packed"
+"""The `attn_implementation` name under which `register_packed_attention` installs this module."""
+
+_VARLEN_DTYPES = (torch.float16, torch.bfloat16)
+_VARLEN_MAX_HEAD_DIM = 256
+
+
+def register_packed_attention() -> str:
+    """Register the packed attention and its mask function with `transformers`; return the name.
+
+    Both registries are `transformers`' own process-wide tables; registering again is harmless.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
+    AttentionMaskInterface.register(PACKED_ATTENTION, packed_attention_mask)
+    return PACKED_ATTENTION
+
+
+# --------------------------------------------------------------------------------------------------
+# The kwargs of a packed batch
+
+
+def packed_attention_kwargs(
+    cu_seqlens: torch.Tensor | Sequence[int],
+    max_seqlen: int | None = None,
+    *,
+    total_tokens: int | None = None,
+    device: torch.device | str | None = None,
+) -> dict[str, Any]:
+    """The forward kwargs that make a model with packed attention keep conversations apart.
+
+    `cu_seqlens` are the cumulative conversation lengths over the flattened [batch * seq] tokens,
+    starting at 0. When `total_tokens` is given and the last boundary falls short of it, the tokens
+    left over (padding at the end) become one more segment of their own: a token outside every
+    segment would get no attention output at all from the varlen kernel. One host synchronization
+    checks the boundaries and finds the longest segment; `max_seqlen`, when given, must cover it.
+    """
+    cu = torch.as_tensor(cu_seqlens, device=device).to(dtype=torch.int32)
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries; got shape {tuple(cu.shape)}")
+    lengths = cu[1:] - cu[:-1]
+    first, last, shortest, longest = torch.stack([cu[0], cu[-1], lengths.min(), lengths.max()]).tolist()
+    if first != 0 or shortest < 0:
+        raise ValueError(f"cu_seqlens must start at 0 and never decrease; got {cu.tolist()}")
+    if total_tokens is not None:
+        if last > total_tokens:
+            raise ValueError(f"cu_seqlens ends at {last}, past the {total_tokens} tokens of the batch")
+        if last < total_tokens:
+            cu = torch.cat([cu, cu.new_tensor([total_tokens])])
+            longest = max(longest, total_tokens - last)
+    if max_seqlen is not None:
+        if int(max_seqlen) < longest:
+            raise ValueError(f"max_seqlen={int(max_seqlen)} is shorter than the longest segment ({longest})")
+        longest = int(max_seqlen)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
+# --------------------------------------------------------------------------------------------------
+# The mask function
+
+
+def packed_attention_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """The mask `transformers` builds once per forward for `packed_attention_forward`.
+
+    A call without a padding mask and without cached tokens (training) gets no mask: the attention
+    function draws the conversation boundaries itself, so no dense [batch, 1, seq, seq] mask is
+    built only to be thrown away. Every other call (padding, `generate()` with a cache) gets
+    `transformers`' sdpa mask, unchanged.
+    """
+    from transformers.masking_utils import sdpa_mask
+
+    if kwargs.get("attention_mask") is None and _without_cached_tokens(kwargs):
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
+def _without_cached_tokens(kwargs: dict[str, Any]) -> bool:
+    """True when the keys are exactly the queries: no tokens from an earlier call are attended to."""
+    kv_length, kv_offset = kwargs.get("kv_length"), kwargs.get("kv_offset", 0)
+    if "q_length" in kwargs:
+        q_length, q_offset = kwargs["q_length"], kwargs.get("q_offset", 0)
+    elif "cache_position" in kwargs:  # the older signature of the mask functions
+        q_length, q_offset = kwargs["cache_position"].shape[0], 0
+    else:
+        return False
+    return (
+        isinstance(q_offset, int) and q_offset == 0 and isinstance(kv_offset, int) and kv_offset == 0
+        and kv_length == q_length
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# The attention function
+
+
+def packed_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention for `transformers` models: query [B, Hq, L, D], key/value [B, Hk, S, D] -> [B, L, Hq, D].
+
+    See the module docstring for which path a call takes.
+    """
+    batch, _, q_len, head_dim = query.shape
+    if scaling is None:
+        scaling = head_dim**-0.5
+    groups = query.shape[1] // key.shape[1]
+    if attention_mask is not None or key.shape[2] != q_len:
+        # A padding mask or cached keys: this is the model's own attention, unchanged.
+        if softcap is None:
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+            return sdpa_attention_forward(
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                sliding_window=sliding_window, **kwargs,
+            )
+        return _masked_attention(query, key, value, attention_mask, scaling, dropout, softcap, groups), None
+
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if cu_seqlens is not None:
+        if _varlen_applies(query, dropout, softcap, sliding_window):
+            max_len = kwargs.get("max_length_q")
+            return _varlen_attention(query, key, value, cu_seqlens, max_len, scaling, sliding_window, groups), None
+        segments = segment_ids_from_cu_seqlens(cu_seqlens, batch, q_len)
+    else:
+        segments = segment_ids_from_position_ids(kwargs.get("position_ids"), batch, q_len)
+    mask = block_causal_mask(segments, q_len, sliding_window, device=query.device)
+    return _masked_attention(query, key, value, mask, scaling, dropout, softcap, groups), None
+
+
+def segment_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
+    """[batch, seq_len] conversation index of every token; tokens past the last boundary share one more."""
+    flat = torch.arange(batch * seq_len, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return torch.searchsorted(cu_seqlens[1:].contiguous(), flat, right=True).view(batch, seq_len)
+
+
+def segment_ids_from_position_ids(position_ids: torch.Tensor | None, batch: int, seq_len: int) -> torch.Tensor | None:
+    """[batch, seq_len] conversation index where position ids restart, or None for one conversation per row.
+
+    A new conversation starts wherever the position does not follow the previous one by exactly 1,
+    the rule `transformers` applies to position ids when it detects packed rows.
+    """
+    if position_ids is None or position_ids.shape[-1] != seq_len:
+        return None
+    position_ids = position_ids.expand(batch, seq_len)
+    step = torch.diff(position_ids, dim=-1, prepend=position_ids[:, :1] - 1)
+    segments = (step != 1).cumsum(dim=-1)
+    if not bool(segments[:, -1].any()):
+        return None
+    return segments
+
+
+def block_causal_mask(
+    segments: torch.Tensor | None, seq_len: int, sliding_window: int | None = None, *, device: torch.device
+) -> torch.Tensor | None:
+    """Boolean [B or 1, 1, L, L] mask: query i sees key j iff j <= i, same segment, and i - j < window.
+
+    None when that is plain causal attention (one segment, no window that bites), so that SDPA can
+    take its `is_causal` fast path.
+    """
+    window_bites = sliding_window is not None and sliding_window < seq_len
+    if segments is None and not window_bites:
+        return None
+    idx = torch.arange(seq_len, device=device)
+    allowed = idx[None, :] <= idx[:, None]
+    if window_bites:
+        allowed = allowed & (idx[:, None] - idx[None, :] < sliding_window)
+    allowed = allowed[None]
+    if segments is not None:
+        allowed = allowed & (segments[:, :, None] == segments[:, None, :])
+    return allowed[:, None]
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, Hk, S, D] -> [B, Hk * groups, S, D], each key/value head shared by `groups` query heads."""
+    if groups == 1:
+        return x
+    b, h, s, d = x.shape
+    return x[:, :, None].expand(b, h, groups, s, d).reshape(b, h * groups, s, d)
+
+
+def _masked_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float,
+    softcap: float | None,
+    groups: int,
+) -> torch.Tensor:
+    """softmax(q k^T * scaling [softcapped] + mask) v, causal when `mask` is None; -> [B, L, H, D].
+
+    A boolean mask marks allowed pairs; a float mask is added to the scores (the `eager` convention).
+    Every query sees at least itself, so no row of the softmax is empty.
+    """
+    key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if softcap is None:
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
+            is_causal=mask is None and q_len > 1 and q_len == kv_len,
+        )
+        return out.transpose(1, 2).contiguous()
+    # Gemma 2 caps the attention logits at softcap * tanh(s / softcap); SDPA has no such option.
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is None and q_len > 1:
+        mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = F.dropout(probs, p=dropout, training=dropout > 0)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous()
+
+
+# --------------------------------------------------------------------------------------------------
+# The varlen (FlashAttention) path
+
+
+@functools.cache
+def _varlen_function() -> tuple[Callable | None, frozenset[str]]:
+    """`varlen_attn` and the names of its parameters, or (None, {}) when this torch lacks it.
+
+    Its signature moved between releases: torch 2.10 takes `is_causal`, later ones a FlashAttention
+    `window_size` (causal is (-1, 0)), `scale` and, later still, `enable_gqa`.
+    """
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, frozenset()
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def _varlen_applies(query: torch.Tensor, dropout: float, softcap: float | None, sliding_window: int | None) -> bool:
+    fn, params = _varlen_function()
+    return (
+        fn is not None
+        and query.is_cuda
+        and query.dtype in _VARLEN_DTYPES
+        and query.shape[-1] <= _VARLEN_MAX_HEAD_DIM
+        and softcap is None
+        and dropout == 0.0
+        and (sliding_window is None or "window_size" in params)
+    )
+
+
+def _varlen_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_len: int | torch.Tensor | None,
+    scaling: float,
+    sliding_window: int | None,
+    groups: int,
+) -> torch.Tensor:
+    """FlashAttention over the flattened tokens: [B, H, L, D] -> [B*L, H, D] -> [B, L, H, D]."""
+    fn, params = _varlen_function()
+    batch, heads, seq_len, head_dim = query.shape
+    if max_len is None:
+        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    max_len = int(max_len)
+    options: dict[str, Any] = {}
+    if "enable_gqa" in params:
+        options["enable_gqa"] = groups > 1
+    else:
+        key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
+    if "scale" in params:
+        options["scale"] = scaling
+    else:
+        # The kernel's own scale is 1/sqrt(D); fold the model's into the queries.
+        query = query * (scaling * head_dim**0.5)
+    if "window_size" in params:
+        # `transformers`' window W lets a query see the W - 1 keys before it, and itself.
+        options["window_size"] = (sliding_window - 1 if sliding_window else -1, 0)
+    else:
+        options["is_causal"] = True
+
+    def flat(x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(1, 2).reshape(batch * seq_len, x.shape[1], head_dim)
+
+    out = fn(flat(query), flat(key), flat(value), cu_seqlens, cu_seqlens, max_len, max_len, **options)
+    return out.view(batch, seq_len, heads, head_dim)

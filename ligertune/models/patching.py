@@ -1,0 +1,233 @@
+"""Route a `transformers` model's RMSNorm, RoPE and SwiGLU through ligertune's kernels, and back.
+
+One table, `PATCH_TABLE`, says for each model family which classes and functions of its modeling
+file correspond to which kernel; `patch_model` applies any row of it and `unpatch_model` reverts it.
+
+- RMSNorm: every norm module of the model gets an instance-level `forward` that calls
+  `ligertune.kernels.rms_norm(x, weight, eps, offset)` (offset 1 for Gemma's `(1 + w)` scaling).
+- SwiGLU: every gated MLP gets an instance-level `forward`,
+  `down_proj(swiglu(gate_proj(x), up_proj(x)))`, only when its activation is SiLU (Gemma's GeGLU
+  MLPs are left alone).
+- RoPE: the attention modules call their modeling file's module-level `apply_rotary_pos_emb`, so
+  that function is replaced in the modeling module by a redirect to `ligertune.kernels.apply_rope`.
+  This one is per family, not per model: while any patched model of a family is alive, every model
+  of that family in the process uses the kernel (which computes the same values). The redirect
+  keeps the original function and the set of models that asked for it; `unpatch_model` of the last
+  of them puts the original back.
+
+The instance-level forwards leave the classes untouched, so a patched model and an unpatched one
+can live side by side, and `unpatch_model` simply deletes them.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from ligertune import kernels
+from ligertune.models.unwrap import unwrap_model
+
+
+@dataclass(frozen=True)
+class PatchSpec:
+    """Where one model family keeps the layers that ligertune's kernels replace."""
+
+    modeling: str
+    """The `transformers` modeling module, e.g. `transformers.models.llama.modeling_llama`."""
+    rms_norm: str
+    """RMSNorm class name in that module."""
+    norm_eps: str = "variance_epsilon"
+    """Attribute of the norm module holding its epsilon."""
+    norm_offset: float = 0.0
+    """Added to the norm weight: 0 for `w * x_hat`, 1 for Gemma's `(1 + w) * x_hat`."""
+    mlp: str | None = None
+    """Gated MLP class name (with gate_proj, up_proj, down_proj), patched when its activation is SiLU."""
+    activation: str = "hidden_act"
+    """Config attribute naming that MLP's activation."""
+    rope: str | None = "apply_rotary_pos_emb"
+    """Module-level function applying the rotary embedding to q and k, as `apply_rope` does."""
+
+
+def _spec(family: str, prefix: str, **kwargs: Any) -> PatchSpec:
+    return PatchSpec(
+        modeling=f"transformers.models.{family}.modeling_{family}",
+        rms_norm=f"{prefix}RMSNorm",
+        mlp=f"{prefix}MLP",
+        **kwargs,
+    )
+
+
+PATCH_TABLE: Mapping[str, PatchSpec] = MappingProxyType({
+    "llama": _spec("llama", "Llama"),
+    "mistral": _spec("mistral", "Mistral"),
+    "qwen2": _spec("qwen2", "Qwen2"),
+    "qwen3": _spec("qwen3", "Qwen3"),
+    "gemma": _spec("gemma", "Gemma", norm_eps="eps", norm_offset=1.0),
+    "gemma2": _spec("gemma2", "Gemma2", norm_eps="eps", norm_offset=1.0, activation="hidden_activation"),
+    "gemma3_text": _spec("gemma3", "Gemma3", norm_eps="eps", norm_offset=1.0, activation="hidden_activation"),
+})
+"""`config.model_type` -> `PatchSpec`, the one table of supported families."""
+
+_SILU = ("silu", "swish")
+
+
+@dataclass
+class PatchReport:
+    """What `patch_model` changed."""
+
+    model_type: str
+    supported: bool
+    rms_norm: int = 0
+    """Norm modules now running `kernels.rms_norm`."""
+    rope: str | None = None
+    """The redirected function, e.g. "llama apply_rotary_pos_emb"."""
+    swiglu: int = 0
+    """MLP modules now running `kernels.swiglu`."""
+    notes: list[str] = field(default_factory=list)
+    """Kernels that were asked for but not applied, with the reason."""
+
+    def describe(self) -> str:
+        """One line, e.g. `rms_norm: 9 modules, rope: llama apply_rotary_pos_emb, swiglu: 2 MLPs`."""
+        if not self.supported:
+            return f"none (no kernel patches for model type {self.model_type!r})"
+        parts = []
+        if self.rms_norm:
+            parts.append(f"rms_norm: {self.rms_norm} modules")
+        if self.rope:
+            parts.append(f"rope: {self.rope}")
+        if self.swiglu:
+            parts.append(f"swiglu: {self.swiglu} MLPs")
+        text = ", ".join(parts) or "none"
+        return f"{text} ({'; '.join(self.notes)})" if self.notes else text
+
+
+# --------------------------------------------------------------------------------------------------
+# apply / revert
+
+
+def patch_model(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = True) -> PatchReport:
+    """Route the model's RMSNorm, RoPE and SwiGLU through ligertune's kernels; see the module docstring.
+
+    `model` may be a peft wrapper: its base model is patched (adapters stay in place). A model type
+    missing from `PATCH_TABLE` gets a warning and runs unpatched. Patching twice is harmless.
+    """
+    base = unwrap_model(model)
+    model_type = getattr(base.config, "model_type", type(base).__name__)
+    spec = PATCH_TABLE.get(model_type)
+    if spec is None:
+        warnings.warn(
+            f"ligertune has no kernel patches for model type {model_type!r} (supported: "
+            f"{', '.join(PATCH_TABLE)}); the model runs with its own layers",
+            stacklevel=2,
+        )
+        return PatchReport(model_type, supported=False)
+    modeling = importlib.import_module(spec.modeling)
+    report = PatchReport(model_type, supported=True)
+
+    if rms_norm:
+        norm_class = getattr(modeling, spec.rms_norm)
+        for module in base.modules():
+            if isinstance(module, norm_class):
+                _set_forward(module, _rms_norm_forward, eps_attr=spec.norm_eps, offset=spec.norm_offset)
+                report.rms_norm += 1
+
+    if swiglu and spec.mlp is not None:
+        activation = getattr(base.config, spec.activation, None)
+        if activation in _SILU:
+            mlp_class = getattr(modeling, spec.mlp)
+            for module in base.modules():
+                if isinstance(module, mlp_class):
+                    _set_forward(module, _swiglu_forward)
+                    report.swiglu += 1
+        else:
+            report.notes.append(f"swiglu: not applied, the MLP activation is {activation}, not SiLU")
+
+    if rope and spec.rope is not None:
+        redirect = getattr(modeling, spec.rope)
+        if not isinstance(redirect, _RopeRedirect):
+            redirect = _RopeRedirect(redirect)
+            setattr(modeling, spec.rope, redirect)
+        redirect.models.add(base)
+        report.rope = f"{model_type} {spec.rope}"
+    return report
+
+
+def unpatch_model(model: nn.Module) -> None:
+    """Undo `patch_model`: the original forwards, and the original RoPE function once no patched
+    model of the family is left."""
+    base = unwrap_model(model)
+    for module in base.modules():
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, functools.partial) and forward.func in _PATCHED_FORWARDS:
+            del module.forward
+    spec = PATCH_TABLE.get(getattr(base.config, "model_type", None))
+    if spec is not None and spec.rope is not None:
+        modeling = importlib.import_module(spec.modeling)
+        redirect = getattr(modeling, spec.rope)
+        if isinstance(redirect, _RopeRedirect):
+            redirect.models.discard(base)
+            if not redirect.models:
+                setattr(modeling, spec.rope, redirect.original)
+
+
+def is_patched(model: nn.Module) -> bool:
+    """Whether any module of the model runs one of ligertune's instance-level forwards."""
+    return any(
+        isinstance(f := m.__dict__.get("forward"), functools.partial) and f.func in _PATCHED_FORWARDS
+        for m in unwrap_model(model).modules()
+    )
+
+
+def _set_forward(module: nn.Module, fn: Callable, **options: Any) -> None:
+    # An instance attribute shadows the class's forward for this module only; `nn.Module.__call__`
+    # looks `forward` up on the instance, so hooks, FSDP and checkpointing still see the module.
+    module.forward = functools.partial(fn, module, **options)
+
+
+# --------------------------------------------------------------------------------------------------
+# the replacement forwards
+
+
+def _rms_norm_forward(module: nn.Module, hidden_states: torch.Tensor, *, eps_attr: str, offset: float) -> torch.Tensor:
+    return kernels.rms_norm(hidden_states, module.weight, getattr(module, eps_attr), offset)
+
+
+def _swiglu_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return module.down_proj(kernels.swiglu(module.gate_proj(x), module.up_proj(x)))
+
+
+_PATCHED_FORWARDS = (_rms_norm_forward, _swiglu_forward)
+
+
+class _RopeRedirect:
+    """Stands in for a modeling file's `apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`.
+
+    Calls `kernels.apply_rope` in the layout it supports (q, k [B, H, L, D], cos/sin [B or 1, L, D],
+    the layout of every family in `PATCH_TABLE`) and the original function for anything else.
+    """
+
+    def __init__(self, original: Callable):
+        self.original = original
+        self.models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        functools.update_wrapper(self, original)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *args, **kwargs):
+        unsqueeze_dim = kwargs.get("unsqueeze_dim", 1)
+        if (
+            args or set(kwargs) - {"unsqueeze_dim"} or unsqueeze_dim != 1
+            or q.dim() != 4 or cos.dim() != 3 or cos.shape[-1] != q.shape[-1]
+        ):
+            return self.original(q, k, cos, sin, *args, **kwargs)
+        return kernels.apply_rope(q, k, cos, sin)
+
+    def __repr__(self) -> str:
+        return f"<ligertune RoPE redirect for {self.original!r}>"
+

@@ -1,0 +1,183 @@
+"""Rendering and masking: exact labels per template family, train_on modes, role rules.
+
+The oracle for each family is the expected rendering written out by hand as segments, each marked
+trained or not; a token's expected label is trained when its characters overlap a trained segment.
+The implementation finds those segments by diffing prefix renderings, so the two are independent.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ligertune.data import IGNORE_INDEX, ConversationError, tokenize_conversation, trained_segments
+from ligertune.data.chat import encode
+
+SYSTEM = "Be brief."
+U1, A1 = "Say hi", "Say hi"  # the answer repeats the question word for word
+U2 = "Tell me about the assistant role."
+A2 = "The user asked the assistant a question, and the model answered."  # role names inside
+
+CONVERSATION = [
+    {"role": "system", "content": SYSTEM},
+    {"role": "user", "content": U1},
+    {"role": "assistant", "content": A1},
+    {"role": "user", "content": U2},
+    {"role": "assistant", "content": A2},
+]
+
+# (text, trained) segments of each family's rendering of CONVERSATION.
+EXPECTED = {
+    "chatml": [
+        (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{U1}<|im_end|>\n<|im_start|>assistant\n", False),
+        (f"{A1}<|im_end|>", True),
+        (f"\n<|im_start|>user\n{U2}<|im_end|>\n<|im_start|>assistant\n", False),
+        (f"{A2}<|im_end|>", True),
+        ("\n", False),
+    ],
+    "llama3": [
+        ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n" + SYSTEM + "<|eot_id|>"
+         f"<|start_header_id|>user<|end_header_id|>\n\n{U1}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+         False),
+        (f"{A1}<|eot_id|>", True),
+        (f"<|start_header_id|>user<|end_header_id|>\n\n{U2}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+         False),
+        (f"{A2}<|eot_id|>", True),
+    ],
+    "mistral": [
+        (f"<s>[INST] {SYSTEM}\n\n{U1} [/INST]", False),
+        (f" {A1}</s>", True),
+        (f"[INST] {U2} [/INST]", False),
+        (f" {A2}</s>", True),
+    ],
+    "gemma": [
+        (f"<bos><start_of_turn>user\n{SYSTEM}\n\n{U1}<end_of_turn>\n<start_of_turn>model\n", False),
+        (f"{A1}<end_of_turn>", True),
+        (f"\n<start_of_turn>user\n{U2}<end_of_turn>\n<start_of_turn>model\n", False),
+        (f"{A2}<end_of_turn>", True),
+        ("\n", False),
+    ],
+    "mistral_last_system": [
+        (f"<s>[INST] {U1}[/INST]", False),
+        (f"{A1}</s>", True),
+        (f"[INST] {SYSTEM}\n\n{U2}[/INST]", False),
+        (f"{A2}</s>", True),
+    ],
+    "chatml_think": [
+        (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{U1}<|im_end|>\n<|im_start|>assistant\n", False),
+        (f"{A1}<|im_end|>", True),
+        (f"\n<|im_start|>user\n{U2}<|im_end|>\n<|im_start|>assistant\n", False),
+        (f"<think>\n\n</think>\n\n{A2}<|im_end|>", True),
+        ("\n", False),
+    ],
+}
+
+KINDS = ["bytelevel", "metaspace"]
+
+
+def expected_labels(tokenizer, segments, keep=lambda k: True) -> list[int]:
+    """Labels from hand-written segments; `keep(k)` selects which trained segments (k-th) count."""
+    text = "".join(t for t, _ in segments)
+    spans, pos, k = [], 0, 0
+    for t, trained in segments:
+        if trained:
+            if keep(k):
+                spans.append((pos, pos + len(t)))
+            k += 1
+        pos += len(t)
+    ids, offsets = encode(tokenizer, text)
+    labels = [tok if any(s < b and e > a for a, b in spans) else IGNORE_INDEX
+              for tok, (s, e) in zip(ids, offsets)]
+    labels[0] = IGNORE_INDEX
+    return labels
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("family", list(EXPECTED))
+def test_every_assistant_turn_and_its_end_of_turn_are_trained(tokenizer_factory, family, kind):
+    tokenizer = tokenizer_factory(family, kind)
+    segments = EXPECTED[family]
+    rendered = tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
+    assert rendered == "".join(t for t, _ in segments), "the hand-written rendering is off"
+
+    example = tokenize_conversation(tokenizer, CONVERSATION)
+
+    assert example.input_ids == encode(tokenizer, rendered)[0]
+    assert example.labels == expected_labels(tokenizer, segments)
+    assert example.trained_tokens > 0
+
+
+@pytest.mark.parametrize("family", list(EXPECTED))
+def test_input_ids_match_the_templates_own_tokenization(tokenizer_factory, family):
+    tokenizer = tokenizer_factory(family, "bytelevel")
+    direct = tokenizer.apply_chat_template(CONVERSATION, tokenize=True)
+    direct = direct["input_ids"] if hasattr(direct, "keys") else direct
+    assert tokenize_conversation(tokenizer, CONVERSATION).input_ids == list(direct)
+
+
+@pytest.mark.parametrize("family", ["chatml", "llama3", "mistral", "gemma"])
+def test_last_assistant_trains_only_the_final_turn(tokenizer_factory, family):
+    tokenizer = tokenizer_factory(family, "bytelevel")
+    example = tokenize_conversation(tokenizer, CONVERSATION, train_on="last_assistant")
+    assert example.labels == expected_labels(tokenizer, EXPECTED[family], keep=lambda k: k == 1)
+
+
+def test_all_trains_every_token_but_the_first(chatml):
+    example = tokenize_conversation(chatml, CONVERSATION, train_on="all")
+    assert example.labels[0] == IGNORE_INDEX
+    assert example.labels[1:] == example.input_ids[1:]
+
+
+def test_tool_turns_pass_through_untrained(chatml):
+    messages = [
+        {"role": "user", "content": "What is the weather?"},
+        {"role": "assistant", "content": "Let me look."},
+        {"role": "tool", "content": "sunny, 21 degrees"},
+        {"role": "assistant", "content": "It is sunny."},
+    ]
+    example = tokenize_conversation(chatml, messages)
+    trained = [text for text, t in trained_segments(chatml, example) if t]
+    assert trained == ["Let me look.<|im_end|>", "It is sunny.<|im_end|>"]
+    untrained = "".join(text for text, t in trained_segments(chatml, example) if not t)
+    assert "<|im_start|>tool\nsunny, 21 degrees<|im_end|>" in untrained
+
+
+def test_empty_answer_still_trains_its_end_of_turn(chatml):
+    example = tokenize_conversation(chatml, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}])
+    trained = [tok for tok in example.labels if tok != IGNORE_INDEX]
+    assert trained == [chatml.convert_tokens_to_ids("<|im_end|>")]
+
+
+def test_template_that_trims_content(tokenizer_factory):
+    tokenizer = tokenizer_factory("llama3", "bytelevel")
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "  Hello there!  \n"}]
+    example = tokenize_conversation(tokenizer, messages)
+    assert [t for t, trained in trained_segments(tokenizer, example) if trained] == ["Hello there!<|eot_id|>"]
+
+
+def test_answer_first_conversation(chatml):
+    messages = [{"role": "assistant", "content": "Hello there!"}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "How are you?"}]
+    example = tokenize_conversation(chatml, messages)
+    assert [t for t, trained in trained_segments(chatml, example) if trained] == [
+        "Hello there!<|im_end|>", "How are you?<|im_end|>"]
+
+
+def test_no_assistant_turn_leaves_nothing_trained(chatml):
+    example = tokenize_conversation(chatml, [{"role": "user", "content": "Hi"}])
+    assert example.trained_tokens == 0
+    assert all(label == IGNORE_INDEX for label in example.labels)
+
+
+def test_system_message_only_first(chatml):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "system", "content": "Be brief."},
+                {"role": "assistant", "content": "Hello"}]
+    with pytest.raises(ConversationError, match="message 2: a system message may only come first"):
+        tokenize_conversation(chatml, messages)
+
+
+def test_template_errors_become_conversation_errors(tokenizer_factory):
+    tokenizer = tokenizer_factory("mistral", "bytelevel")
+    messages = [{"role": "user", "content": "Hi"}, {"role": "user", "content": "Hello?"},
+                {"role": "assistant", "content": "Hello"}]
+    with pytest.raises(ConversationError, match="roles must alternate"):
+        tokenize_conversation(tokenizer, messages)

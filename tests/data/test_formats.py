@@ -1,0 +1,194 @@
+"""Reading sources and normalizing formats; every malformed record is reported with file and line."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from conftest import write_jsonl
+
+from ligertune.data import prepare_data, read_conversations
+from ligertune.errors import DataError
+from ligertune.recipe import DataConfig
+
+GOOD = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
+NORMALIZED = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+GOOD_IN = {
+    "auto": GOOD,
+    "messages": GOOD,
+    "sharegpt": {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]},
+    "prompt_completion": {"prompt": "Hi", "completion": "Hello!"},
+}
+
+
+def config(path: Path, **kwargs) -> DataConfig:
+    return DataConfig(path=str(path), cache_dir=None, num_workers=1, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "record, fmt, expected",
+    [
+        pytest.param(GOOD, "auto", NORMALIZED, id="messages"),
+        pytest.param(
+            {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
+                               {"from": "gpt", "value": "Hello!"}]},
+            "auto",
+            [{"role": "system", "content": "Be brief."}, *NORMALIZED],
+            id="sharegpt",
+        ),
+        pytest.param({"prompt": "Hi", "completion": "Hello!"}, "auto", NORMALIZED, id="prompt-completion"),
+        pytest.param(
+            {"prompt": "Hi", "completion": "Hello!", "system": "Be brief."}, "prompt_completion",
+            [{"role": "system", "content": "Be brief."}, *NORMALIZED], id="prompt-completion-system",
+        ),
+        pytest.param(
+            {"prompt": [{"role": "user", "content": "Hi"}], "completion": [{"role": "assistant", "content": "Hello!"}]},
+            "auto", NORMALIZED, id="prompt-completion-lists",
+        ),
+        pytest.param(
+            {"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Looking."},
+                          {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}]},
+            "messages",
+            [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Looking."},
+             {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}],
+            id="messages-tool",
+        ),
+    ],
+)
+def test_formats_normalize_to_messages(tmp_path, record, fmt, expected):
+    path = write_jsonl(tmp_path / "train.jsonl", [record, record])
+    result = read_conversations(str(path), fmt=fmt)
+    assert [c.messages for c in result.conversations] == [expected, expected]
+    assert [c.origin for c in result.conversations] == [f"{path}:1", f"{path}:2"]
+
+
+MALFORMED = [
+    pytest.param('{"messages": [{"role": "user", "content": "Hi"}', "auto", "invalid JSON", id="invalid-json"),
+    pytest.param([1, 2], "auto", "expected a JSON object, got a list", id="not-an-object"),
+    pytest.param({"text": "Hi"}, "auto", "missing `messages` (format messages)", id="not-the-detected-format"),
+    pytest.param({"messages": "Hi"}, "auto", "`messages` must be a list of messages, got a string", id="not-a-list"),
+    pytest.param({"messages": []}, "auto", "empty conversation", id="empty"),
+    pytest.param({"messages": [{"content": "Hi"}]}, "auto", "message 1 has no `role`", id="missing-role"),
+    pytest.param(
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "bot", "content": "Hello"}]}, "auto",
+        "message 2 has unknown role 'bot' (expected system, user, assistant, tool)", id="unknown-role",
+    ),
+    pytest.param({"messages": [{"role": "user", "content": ["Hi"]}]}, "auto",
+                 "message 1 has non-string `content` (got a list)", id="non-string-content"),
+    pytest.param({"messages": [{"role": "user"}]}, "auto", "message 1 has no `content`", id="missing-content"),
+    pytest.param({"conversations": [{"from": "human", "value": "Hi"}, {"from": "bot", "value": "Hello"}]}, "sharegpt",
+                 "message 2 has unknown `from` 'bot'", id="sharegpt-unknown-from"),
+    pytest.param({"prompt": 3, "completion": "Hello"}, "prompt_completion",
+                 "`prompt` must be a string or a list of messages, got int", id="prompt-not-string"),
+    pytest.param({"conversations": []}, "messages", "missing `messages` (format messages)", id="wrong-format"),
+    pytest.param(
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "system", "content": "Late"},
+                      {"role": "assistant", "content": "Hello"}]}, "auto",
+        "message 2: a system message may only come first", id="system-not-first",
+    ),
+]
+
+
+@pytest.mark.parametrize("bad, fmt, problem", MALFORMED)
+def test_first_malformed_record_names_file_and_line(tmp_path, chatml, bad, fmt, problem):
+    # Line 2 is blank: line numbers are those of the file, not of the records.
+    path = write_jsonl(tmp_path / "train.jsonl", [GOOD_IN[fmt], "", bad, GOOD_IN[fmt]])
+    with pytest.raises(DataError, match=re.escape(f"{path}:3: {problem}")):
+        prepare_data(config(path, format=fmt), chatml, seed=0, show_progress=False)
+
+
+@pytest.mark.parametrize("bad, fmt, problem", MALFORMED)
+def test_skip_counts_malformed_records(tmp_path, chatml, bad, fmt, problem):
+    path = write_jsonl(tmp_path / "train.jsonl", [GOOD_IN[fmt], "", bad, GOOD_IN[fmt]])
+    data = prepare_data(config(path, format=fmt, on_bad_record="skip"), chatml, seed=0, show_progress=False)
+    assert data.stats.conversations_read == 3
+    assert data.stats.bad_records == 1
+    assert len(data.train) == 2
+    assert [e.origin for e in data.train] == [f"{path}:1", f"{path}:4"]
+    assert any(problem in line and f"{path}:3" in line for line in data.stats.bad_record_examples)
+
+
+def test_format_detected_from_the_first_record(tmp_path):
+    path = write_jsonl(tmp_path / "train.jsonl", [{"text": "Hi"}, GOOD])
+    with pytest.raises(DataError, match=re.escape(f"{path}:1: cannot tell the format: expected a `messages`")):
+        read_conversations(str(path))
+    result = read_conversations(str(path), on_bad_record="skip")
+    assert [c.messages for c in result.conversations] == [NORMALIZED]
+
+
+def test_template_rejection_names_file_and_line(tmp_path, tokenizer_factory):
+    path = write_jsonl(tmp_path / "train.jsonl", [GOOD, {"messages": [{"role": "user", "content": "a"},
+                                                                       {"role": "user", "content": "b"}]}])
+    with pytest.raises(DataError, match=re.escape(f"{path}:2: the chat template rejects this conversation")):
+        prepare_data(config(path), tokenizer_factory("mistral"), seed=0, show_progress=False)
+
+
+def test_json_array_records_know_their_lines(tmp_path):
+    path = tmp_path / "train.json"
+    path.write_text("[\n" + json.dumps(GOOD, indent=1) + ",\n" + json.dumps(GOOD) + "\n]\n")
+    result = read_conversations(str(path))
+    first_len = json.dumps(GOOD, indent=1).count("\n") + 1
+    assert [c.origin for c in result.conversations] == [f"{path}:2", f"{path}:{2 + first_len}"]
+    assert result.conversations[1].messages == NORMALIZED
+
+
+def test_json_array_syntax_error_stops_with_its_line(tmp_path):
+    path = tmp_path / "train.json"
+    path.write_text("[\n" + json.dumps(GOOD) + ",\n{\"messages\": [}\n]\n")
+    with pytest.raises(DataError, match=re.escape(f"{path}:3: invalid JSON")):
+        read_conversations(str(path), on_bad_record="skip")
+
+
+def test_json_file_of_json_lines(tmp_path):
+    path = write_jsonl(tmp_path / "train.json", [GOOD, GOOD])
+    assert len(read_conversations(str(path)).conversations) == 2
+
+
+def test_parquet_rows(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "train.parquet"
+    bad = {"messages": [{"role": "bot", "content": "x"}]}
+    pq.write_table(pa.Table.from_pylist([GOOD, bad, GOOD]), path)
+    result = read_conversations(str(path), on_bad_record="skip")
+    assert [c.messages for c in result.conversations] == [NORMALIZED, NORMALIZED]
+    assert result.bad == [f"{path}:row 2: message 1 has unknown role 'bot' (expected system, user, assistant, tool)"]
+
+
+def test_missing_and_unsupported_files(tmp_path):
+    with pytest.raises(DataError, match="data file not found"):
+        read_conversations(str(tmp_path / "nope.jsonl"))
+    (tmp_path / "train.txt").write_text("hello")
+    with pytest.raises(DataError, match="unsupported file type '.txt'"):
+        read_conversations(str(tmp_path / "train.txt"))
+
+
+def test_hub_names_go_through_datasets(monkeypatch):
+    calls = []
+
+    def load_dataset(name, split):
+        calls.append((name, split))
+        return [GOOD, {"prompt": "Hi", "completion": "Hello!"}] if split == "train" else []
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    result = read_conversations("someone/chat-data", fmt="auto", split="train", on_bad_record="skip")
+    assert calls == [("someone/chat-data", "train")]
+    assert [c.origin for c in result.conversations] == ["someone/chat-data[train]:row 1"]
+    assert result.bad == ["someone/chat-data[train]:row 2: missing `messages` (format messages)"]
+
+
+def test_hub_unreachable_or_datasets_missing(monkeypatch):
+    def unreachable(name, split):
+        raise ConnectionError("no route to host")
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=unreachable))
+    with pytest.raises(DataError, match="someone/chat-data: cannot load the hub dataset .*no route to host"):
+        read_conversations("someone/chat-data")
+    monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
+    with pytest.raises(DataError, match="needs the `datasets` package"):
+        read_conversations("someone/chat-data")

@@ -1,0 +1,119 @@
+"""SwiGLU gate: the Triton path against the reference (y, dgate, dup), and the reference against the
+MLP of `transformers` (LlamaMLP) bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import ligertune.kernels as K
+from ligertune.kernels import reference
+
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+
+SHAPES = [
+    pytest.param((37, 123), id="N37-I123"),
+    pytest.param((3, 37, 123), id="B3-L37-I123"),  # 13653 elements: 4 blocks of glu.BLOCK=4096, one partial
+    pytest.param((7,), id="N7"),
+]
+
+# (dtype, relative tolerance ||a - b|| / ||b|| on values and on every gradient)
+DTYPES = [
+    pytest.param(torch.float32, 1e-6, id="fp32"),
+    pytest.param(torch.bfloat16, 1e-2, id="bf16"),
+]
+
+
+@pytest.fixture
+def triton_path(monkeypatch):
+    monkeypatch.setenv("LIGERTUNE_KERNELS", "triton")
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    a, b = actual.double(), expected.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make_inputs(shape, dtype, scale=2.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(shape, generator=gen) * s).to(DEVICE, dtype) for s in (scale, 1.0, 1.0)]
+
+
+def run(fn, gate, up, dy):
+    gate = gate.detach().clone().requires_grad_(True)
+    up = up.detach().clone().requires_grad_(True)
+    y = fn(gate, up)
+    y.backward(dy)
+    return y.detach(), gate.grad, up.grad
+
+
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_triton_matches_reference(triton_path, shape, dtype, tol):
+    gate, up, dy = make_inputs(shape, dtype)
+    got = run(K.swiglu, gate, up, dy)
+    want = run(reference.swiglu, gate, up, dy)
+    for name, a, b in zip(("y", "dgate", "dup"), got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert rel_err(a, b) < tol, name
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # the interpreter's numpy
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+def test_extreme_gates_and_strided_inputs(triton_path, dtype, tol):
+    """Gates far into both tails (exp(-g) overflows to inf for g << 0), given as non-contiguous views."""
+    gate, up, dy = make_inputs((37, 246), dtype, scale=60.0, seed=1)
+    gate, up = gate[:, ::2], up.t().contiguous().t()[:, 1::2]
+    dy = dy[:, :123]
+    got = run(K.swiglu, gate, up, dy)
+    want = run(reference.swiglu, gate, up, dy)
+    for name, a, b in zip(("y", "dgate", "dup"), got, want):
+        assert torch.isfinite(a).all(), name
+        assert rel_err(a, b) < tol, name
+
+
+def test_kernel_against_float64_formula(triton_path):
+    gate, up, dy = make_inputs((37, 123), torch.float32, seed=2)
+    y, dgate, dup = run(K.swiglu, gate, up, dy)
+    g64, u64 = gate.double().requires_grad_(True), up.double().requires_grad_(True)
+    y64 = g64 * torch.sigmoid(g64) * u64
+    y64.backward(dy.double())
+    assert rel_err(y, y64) < 1e-6
+    assert rel_err(dgate, g64.grad) < 1e-6
+    assert rel_err(dup, u64.grad) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")])
+def test_reference_is_transformers_mlp(dtype):
+    """`down_proj(swiglu(gate_proj(x), up_proj(x)))` is LlamaMLP's forward and backward, to the bit."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    torch.manual_seed(3)
+    config = LlamaConfig(hidden_size=24, intermediate_size=61, num_attention_heads=2, hidden_act="silu")
+    mlp = LlamaMLP(config).to(DEVICE, dtype)
+    x = torch.randn(3, 7, 24).to(DEVICE, dtype)
+    dy = torch.randn(3, 7, 24).to(DEVICE, dtype)
+
+    def grads_of(forward):
+        mlp.zero_grad()
+        x_ = x.clone().requires_grad_(True)
+        out = forward(x_)
+        out.backward(dy)
+        return [out.detach(), x_.grad, *(p.grad.clone() for p in mlp.parameters())]
+
+    want = grads_of(mlp)
+    got = grads_of(lambda x_: mlp.down_proj(reference.swiglu(mlp.gate_proj(x_), mlp.up_proj(x_))))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_bad_arguments_raise():
+    gate, up, _ = make_inputs((4, 8), torch.float32)
+    with pytest.raises(ValueError, match="share shape and dtype"):
+        reference.swiglu(gate, up[:, :7])
+    with pytest.raises(ValueError, match="share shape and dtype"):
+        reference.swiglu(gate, up.double())

@@ -1,0 +1,146 @@
+"""Packed attention: a pack gives every conversation exactly the logits it gets alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ligertune.models import packed_attention_kwargs
+from ligertune.models.attention import block_causal_mask, segment_ids_from_position_ids
+from tiny_models import FAMILIES, VOCAB, make_model, make_packed_batch
+
+FAMILY_IDS = list(FAMILIES)
+
+
+def alone_logits(model, batch) -> torch.Tensor:
+    """Each conversation run by itself, concatenated back into the packed order: [T, V]."""
+    out = []
+    for start, end in batch.pieces():
+        ids = batch.input_ids[:, start:end]
+        out.append(model(ids, position_ids=torch.arange(end - start)[None]).logits[0])
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("family", FAMILY_IDS)
+@torch.no_grad()
+def test_packed_forward_equals_each_conversation_alone(family, packed_batch):
+    packed = make_model(family)
+    reference = make_model(family, attention="eager")  # transformers' own attention, same weights
+    kwargs = packed_attention_kwargs(packed_batch.cu_seqlens)
+    logits = packed(packed_batch.input_ids, position_ids=packed_batch.position_ids, **kwargs).logits[0]
+    expected = alone_logits(reference, packed_batch)
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+    # The same row without isolation (one causal sequence, restarting positions and all) differs from
+    # the second conversation on: the comparison above can fail.
+    naive = reference(packed_batch.input_ids, position_ids=packed_batch.position_ids,
+                      attention_mask=torch.ones_like(packed_batch.input_ids)).logits[0]
+    first = packed_batch.lengths[0]
+    torch.testing.assert_close(naive[:first], expected[:first], rtol=1e-5, atol=1e-5)
+    assert (naive[first:] - expected[first:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+@torch.no_grad()
+def test_restarting_position_ids_alone_also_isolate(family, packed_batch):
+    """Without cu_seqlens and without a mask, conversations split where positions restart."""
+    packed = make_model(family)
+    reference = make_model(family, attention="eager")
+    logits = packed(packed_batch.input_ids, position_ids=packed_batch.position_ids, use_cache=False).logits[0]
+    torch.testing.assert_close(logits, alone_logits(reference, packed_batch), rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_two_packed_rows_with_trailing_padding():
+    """A batch of two packs whose cu_seqlens run over the flattened tokens; the tail is padding."""
+    model = make_model("qwen3")
+    reference = make_model("qwen3", attention="eager")
+    rows = [make_packed_batch([5, 6], seed=1), make_packed_batch([4, 4, 2], seed=2)]
+    width = 12
+    ids = torch.zeros(2, width, dtype=torch.long)
+    pos = torch.zeros(2, width, dtype=torch.long)
+    for r, row in enumerate(rows):
+        n = row.input_ids.shape[1]
+        ids[r, :n], pos[r, :n] = row.input_ids[0], row.position_ids[0]
+        pos[r, n:] = torch.arange(width - n)
+    # Row 0 holds 11 tokens and 1 pad, row 1 10 tokens and 2 pads; the pads of row 0 are a segment.
+    cu = torch.tensor([0, 5, 11, 12, 16, 20, 22], dtype=torch.int32)
+    kwargs = packed_attention_kwargs(cu, total_tokens=ids.numel())
+    assert kwargs["cu_seq_lens_q"].tolist() == [0, 5, 11, 12, 16, 20, 22, 24]
+    assert kwargs["max_length_q"] == 6
+    logits = model(ids, position_ids=pos, **kwargs).logits
+    for r, row in enumerate(rows):
+        n = row.input_ids.shape[1]
+        torch.testing.assert_close(logits[r, :n], alone_logits(reference, row), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@torch.no_grad()
+def test_padded_batch_and_generate_match_the_models_own_attention(family):
+    """With a padding mask (and a KV cache in generate), packed attention is the model's attention."""
+    packed = make_model(family)
+    reference = make_model(family, attention="eager")
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    got = packed(ids, attention_mask=mask).logits
+    want = reference(ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], rtol=1e-5, atol=1e-5)
+
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(packed.generate(ids, **kwargs), reference.generate(ids, **kwargs))
+
+
+def test_packed_attention_kwargs_checks_its_input():
+    with pytest.raises(ValueError, match="start at 0"):
+        packed_attention_kwargs(torch.tensor([1, 4]))
+    with pytest.raises(ValueError, match="start at 0"):
+        packed_attention_kwargs(torch.tensor([0, 4, 3]))
+    with pytest.raises(ValueError, match="past the 5 tokens"):
+        packed_attention_kwargs(torch.tensor([0, 4, 7]), total_tokens=5)
+    with pytest.raises(ValueError, match="shorter than the longest"):
+        packed_attention_kwargs([0, 4, 7], max_seqlen=3)
+    kwargs = packed_attention_kwargs([0, 4, 7], max_seqlen=16)
+    assert kwargs["cu_seq_lens_q"].dtype == torch.int32
+    assert (kwargs["max_length_q"], kwargs["max_length_k"]) == (16, 16)
+
+
+def test_block_causal_mask_draws_blocks_and_window():
+    segments = segment_ids_from_position_ids(torch.tensor([[0, 1, 2, 3, 0, 1]]), 1, 6)
+    assert segments.tolist() == [[0, 0, 0, 0, 1, 1]]
+    mask = block_causal_mask(segments, 6, sliding_window=3, device=torch.device("cpu"))[0, 0].int()
+    assert mask.tolist() == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [0, 1, 1, 1, 0, 0],
+        [0, 0, 0, 0, 1, 0],
+        [0, 0, 0, 0, 1, 1],
+    ]
+    assert segment_ids_from_position_ids(torch.arange(6)[None], 1, 6) is None
+    assert block_causal_mask(None, 6, sliding_window=6, device=torch.device("cpu")) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="varlen attention needs CUDA")
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3"])
+@torch.no_grad()
+def test_varlen_path_on_cuda_equals_each_conversation_alone(family):
+    """bf16 on CUDA takes FlashAttention's varlen kernel; compare with the fp32 model, per conversation."""
+    from ligertune.models.attention import _varlen_applies
+
+    batch = make_packed_batch([37, 11, 64, 5, 20])
+    packed = make_model(family).to("cuda", torch.bfloat16)
+    reference = make_model(family, attention="eager").to("cuda")
+    q = torch.empty(1, 4, 8, 16, device="cuda", dtype=torch.bfloat16)
+    assert _varlen_applies(q, 0.0, None, FAMILIES[family].get("sliding_window"))
+    kwargs = packed_attention_kwargs(batch.cu_seqlens, device="cuda")
+    logits = packed(batch.input_ids.cuda(), position_ids=batch.position_ids.cuda(), **kwargs).logits[0].float()
+    expected = alone_logits(reference, type(batch)(batch.lengths, batch.input_ids.cuda(), batch.position_ids.cuda(),
+                                                   batch.targets.cuda(), batch.cu_seqlens))
+    rel = (logits - expected).norm() / expected.norm()
+    assert rel < 2e-2
+    # The mask path, fed the same bf16 inputs, agrees with the varlen path to bf16 rounding.
+    masked = make_model(family).to("cuda", torch.bfloat16)
+    mask_logits = masked(batch.input_ids.cuda(), position_ids=batch.position_ids.cuda(), use_cache=False).logits[0]
+    assert (logits - mask_logits.float()).norm() / mask_logits.float().norm() < 1e-2

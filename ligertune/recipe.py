@@ -79,7 +79,7 @@ class DataSource:
         "auto", "Record format; `auto` detects it from the first record."
     )
     split: str = _field("train", "Split to read when `path` is a hub dataset.")
-    weight: float | None = _field(None, "Relative share of this source (sampled with replacement).")
+    weight: float | None = _field(None, "Relative share of this source (repeated or subsampled to its share).")
     samples: int | None = _field(None, "Exact number of conversations to take from this source.")
 
     def check(self) -> list[tuple[str, str]]:

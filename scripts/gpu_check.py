@@ -489,8 +489,10 @@ def _kernel_summary(report) -> list[str]:
         if base and opt:
             parts.append(f"options +{100 * (opt / base - 1):.1f}%")
         low = next((r for k, r in rows.items() if k.startswith("ligertune low-mem")), None)
-        if low is not None and low.timing is not None:
+        if low is not None and low.timing is not None and low.timing.extra_peak_mib is not None:
             parts.append(f"low-mem {low.timing.median_ms:.1f} ms / {low.timing.extra_peak_mib:.0f} MiB")
+        if base and rows["ligertune"].timing.extra_peak_mib is not None:
+            parts.append(f"ligertune extra {rows['ligertune'].timing.extra_peak_mib:.0f} MiB")
         lines.append(f"flce {shape}: " + ", ".join(parts))
     for line in lines:
         say(f"  {line}")

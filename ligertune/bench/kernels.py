@@ -514,6 +514,10 @@ def run_kernel_bench(config: KernelBenchConfig, log: Callable[[str], None] = lam
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    try:
+        active_path(device)
+    except ValueError as err:  # a bad LIGERTUNE_KERNELS value is the user's to fix
+        raise UserError(str(err)) from None
     on_cuda = device.type == "cuda"
     ref_dtype = torch.float32 if on_cuda else torch.float64
     repeats = config.repeats or (10 if on_cuda else 3)

@@ -185,6 +185,8 @@ def run_step_bench(
             row.mfu_measured = rate / matmul if matmul else None
         if base is not None and row.tokens_per_s and row.layout == "synthetic":
             row.vs_ligertune = base.tokens_per_s / row.tokens_per_s
+    # Synthetic rows first (one per way of running the model), then the chat layouts.
+    report.rows.sort(key=lambda r: r.layout != "synthetic")
     packed = next((r for r in report.rows if r.name == PACKED and r.tokens_per_s), None)
     if packed is not None:
         for row in report.rows:

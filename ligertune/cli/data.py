@@ -52,7 +52,7 @@ def data(recipe: RecipeArg, set_: SetOpt = None, json_: JsonOpt = False, show: S
         report = {"data": prepared.stats.to_dict(), "packing": packing.to_dict()}
         if show:
             report["conversations"] = [
-                {"origin": origin, "segments": [{"text": text, "trained": trained} for text, trained in segments]}
+                {"origin": origin, "segments": [{"text": t, "trained": trained} for t, trained in segments]}
                 for origin, segments in shown
             ]
         typer.echo(json.dumps(report, indent=2))
@@ -81,11 +81,13 @@ def data_table(stats: DataStats) -> Table:
     for reason, count in sorted(stats.dropped.items()):
         table.add_row(f"dropped: {reason.replace('_', ' ')}", f"{count:,}")
     for reason, count in sorted(stats.truncated.items()):
-        table.add_row(f"truncated: {reason.replace('_', ' ')}", f"{count:,} ({stats.turns_removed:,} turns removed)")
+        table.add_row(f"truncated: {reason.replace('_', ' ')}",
+                      f"{count:,} ({stats.turns_removed:,} turns removed)")
     table.add_row("train conversations", f"{stats.train_conversations:,}")
     table.add_row("eval conversations", f"{stats.eval_conversations:,}")
     share = stats.trained_tokens / stats.total_tokens if stats.total_tokens else 0.0
-    table.add_row("trained / total tokens", f"{stats.trained_tokens:,} / {stats.total_tokens:,} ({share:.1%})")
+    table.add_row("trained / total tokens",
+                  f"{stats.trained_tokens:,} / {stats.total_tokens:,} ({share:.1%})")
     cached = sum(s.cached for s in stats.sources)
     table.add_row("from cache", f"{cached} of {len(stats.sources)} sources")
     return table

@@ -20,7 +20,14 @@ from ligertune.data.chat import (
 from ligertune.data.formats import Conversation, read_conversations
 from ligertune.data.packing import Pack, best_fit_decreasing, pack, packs_of_one, shift_labels, shuffled
 from ligertune.data.prepare import PreparedData, prepare_data
-from ligertune.data.stats import DataStats, LengthBucket, PackingStats, SourceStats, length_histogram, packing_stats
+from ligertune.data.stats import (
+    DataStats,
+    LengthBucket,
+    PackingStats,
+    SourceStats,
+    length_histogram,
+    packing_stats,
+)
 
 __all__ = [
     "IGNORE_INDEX",

@@ -70,17 +70,18 @@ def collate(packs: Sequence[Pack]) -> Batch:
         raise ValueError("collate needs at least one pack")
     input_ids = list(itertools.chain.from_iterable(p.input_ids for p in packs))
     targets = list(itertools.chain.from_iterable(p.targets for p in packs))
-    position_ids = list(itertools.chain.from_iterable(p.position_ids for p in packs))
     seq_lens = torch.tensor([n for p in packs for n in p.seq_lens], dtype=torch.int64)
+    starts = seq_lens.cumsum(0) - seq_lens
+    seq_ids = torch.repeat_interleave(torch.arange(seq_lens.numel()), seq_lens)
     cu_seqlens = torch.zeros(seq_lens.numel() + 1, dtype=torch.int32)
     cu_seqlens[1:] = seq_lens.cumsum(0)
     return Batch(
         input_ids=torch.tensor([input_ids], dtype=torch.int64),
         targets=torch.tensor([targets], dtype=torch.int64),
-        position_ids=torch.tensor([position_ids], dtype=torch.int64),
+        position_ids=(torch.arange(len(input_ids)) - starts[seq_ids]).unsqueeze(0),
         cu_seqlens=cu_seqlens,
         max_seqlen=int(seq_lens.max()),
-        seq_ids=torch.repeat_interleave(torch.arange(seq_lens.numel()), seq_lens),
+        seq_ids=seq_ids,
     )
 
 

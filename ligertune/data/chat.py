@@ -13,14 +13,20 @@ follow `train_on`:
 The first token is never trained whatever `train_on` says: nothing precedes it to predict it from.
 
 Templates need no `{% generation %}` markers. For assistant message k the template is rendered
-twice more, up to message k-1 with the generation prompt (P) and up to message k (Q); the text
-that Q adds after its common prefix with P is the turn's body (content + closing). Trailing
-whitespace of the body is left untrained: it is layout, not a stop signal. The body is then found
-in the full rendering R, right after the prompt text when P's context is a prefix of R (every
-common template); otherwise among its occurrences after the previous turn, the one whose preceding
-text agrees longest with the prompt's, which tells an assistant answer apart from a user message
-with the same words. Token i is trained when its character span (from the fast tokenizer's offset
-mapping) overlaps a trained body.
+twice more: up to message k-1 with the generation prompt (P), and up to message k (Q). The text Q
+adds after its common prefix with P is the turn's body: content + closing. Trailing whitespace of
+the body is left untrained (it is layout, not a stop signal). The body is then found in the full
+rendering R:
+
+- right after P's text, when that text is a prefix of R (every common template);
+- otherwise (a template that renders earlier turns differently once later ones exist, e.g. one
+  that moves the system prompt to the last user turn) by searching R after the previous turn for
+  the first occurrence whose preceding text agrees with P's over more than the assistant header.
+  An occurrence inside a user message that repeats the answer is preceded by the user header and
+  is skipped; a later copy of a repeated exchange is never reached first.
+
+Token i is trained when its character span (the fast tokenizer's offset mapping) overlaps a
+trained body; the checks above make the spans exact, whatever the tokenizer.
 
 Example, ChatML (trained characters underlined):
 

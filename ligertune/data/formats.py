@@ -106,11 +106,12 @@ def _iter_json(file: Path, name: str) -> Iterator[tuple[str, Any]]:
             if not line.strip():
                 continue
             try:
-                yield f"{name}:{lineno}", json.loads(line)
+                record = json.loads(line)
             except UnicodeDecodeError:
-                yield f"{name}:{lineno}", BadRecord("not valid UTF-8")
+                record = BadRecord("not valid UTF-8")
             except json.JSONDecodeError as err:
-                yield f"{name}:{lineno}", BadRecord(f"invalid JSON: {err.msg} (column {err.colno})")
+                record = BadRecord(f"invalid JSON: {err.msg} (column {err.colno})")
+            yield f"{name}:{lineno}", record
 
 
 def _iter_json_array(file: Path, name: str) -> Iterator[tuple[str, Any]]:
@@ -125,7 +126,7 @@ def _iter_json_array(file: Path, name: str) -> Iterator[tuple[str, Any]]:
         raise DataError(f"{name}: not valid UTF-8 (byte {err.start})") from None
     decoder = json.JSONDecoder()
     # Lines are counted incrementally: counting from the start for every record is quadratic.
-    pos, counted, line = 0, 0, 1
+    counted, line = 0, 1
 
     def advance(to: int) -> None:
         nonlocal counted, line
@@ -189,11 +190,11 @@ def _iter_hub(name: str, split: str) -> Iterator[tuple[str, Any]]:
         yield f"{name}[{split}]:row {row}", record
 
 
-def source_fingerprint(path: str, split: str) -> str | None:
-    """What identifies a source's content for the cache: path, size and mtime of a local file.
+def source_fingerprint(path: str) -> str | None:
+    """What identifies a local file's content for the cache: resolved path, size and mtime.
 
-    Hub datasets are identified by the fingerprint `datasets` computes for them; None (no cache)
-    when it cannot be had without loading the dataset.
+    None for hub datasets: they are not cached here (`datasets` keeps its own download cache, and
+    their version cannot be known without asking the hub).
     """
     if is_local(path):
         file = Path(path).expanduser().resolve()

@@ -1,20 +1,9 @@
 """Packing tokenized conversations into sequences of at most `max_seq_len` tokens.
 
-Labels are shifted inside each conversation *before* packing, so no target ever crosses a
-conversation boundary: `targets[j]` is the label of position j+1 of the same conversation, and the
-last token of every conversation has target -100. Two conversations packed into one sequence
-(`max_seq_len` 8; `-` is -100; a2, a3, b1, b2 are trained):
-
-    conversation     A   A   A   A   B   B   B
-    input_ids        a0  a1  a2  a3  b0  b1  b2
-    labels           -   -   a2  a3  -   b1  b2      (per conversation, unshifted)
-    targets          -   a2  a3  -   b1  b2  -       (shifted inside A and inside B)
-    position_ids     0   1   2   3   0   1   2
-    seq_lens [4, 3]   cu_seqlens [0, 4, 7]
-
-A pack is not padded: 7 of its 8 slots hold real tokens. Packing is best-fit decreasing: the
-conversations, longest first, each go to the open pack with the least room that still fits them,
-or to a new pack. Ties are broken by position, so the result is a function of the lengths alone.
+Labels are shifted inside each conversation before packing, so no target crosses a conversation
+boundary (`Pack` draws an example). Packing is best-fit decreasing: the conversations, longest
+first, each go to the open pack with the least room that still fits them, or to a new pack. Ties
+are broken by position, so the result is a function of the lengths alone.
 """
 
 from __future__ import annotations
@@ -30,16 +19,34 @@ from ligertune.data.chat import IGNORE_INDEX, TokenizedExample
 
 @dataclass
 class Pack:
-    """Conversations laid end to end; see the module docstring for a drawn example."""
+    """Conversations laid end to end, each with its labels shifted inside it.
+
+    `targets[j]` is the label of position j+1 of the same conversation; the last token of every
+    conversation has target -100. Two conversations in one pack (max_seq_len 8; `-` is -100;
+    a2, a3, b1, b2 are trained):
+
+        conversation     A   A   A   A   B   B   B
+        input_ids        a0  a1  a2  a3  b0  b1  b2
+        labels           -   -   a2  a3  -   b1  b2      (per conversation, unshifted)
+        targets          -   a2  a3  -   b1  b2  -       (shifted inside A and inside B)
+        position_ids     0   1   2   3   0   1   2
+        seq_lens [4, 3]   cu_seqlens [0, 4, 7]
+
+    A pack is not padded: 7 of its 8 slots hold real tokens.
+    """
 
     input_ids: list[int]
     targets: list[int]
-    position_ids: list[int]
     seq_lens: list[int]
     example_indices: list[int] = field(default_factory=list)  # which examples, in order
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+    @property
+    def position_ids(self) -> list[int]:
+        """0, 1, ... restarting at every conversation (derived from `seq_lens`, not stored)."""
+        return [i for n in self.seq_lens for i in range(n)]
 
     @property
     def cu_seqlens(self) -> list[int]:
@@ -60,15 +67,11 @@ def make_pack(examples: Sequence[TokenizedExample], indices: Sequence[int]) -> P
     """The examples at `indices`, in that order, as one pack."""
     input_ids: list[int] = []
     targets: list[int] = []
-    position_ids: list[int] = []
-    seq_lens: list[int] = []
     for i in indices:
-        example = examples[i]
-        input_ids += example.input_ids
-        targets += shift_labels(example.labels)
-        position_ids += range(len(example.input_ids))
-        seq_lens.append(len(example.input_ids))
-    return Pack(input_ids, targets, position_ids, seq_lens, list(indices))
+        input_ids += examples[i].input_ids
+        targets += shift_labels(examples[i].labels)
+    seq_lens = [len(examples[i].input_ids) for i in indices]
+    return Pack(input_ids, targets, seq_lens, list(indices))
 
 
 def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:

@@ -26,10 +26,18 @@ import os
 import random
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from ligertune.data import cache
 from ligertune.data.chat import (
@@ -196,103 +204,84 @@ def tokenize_conversations(
 
 @dataclass
 class SourceData:
-    """One source after tokenization: usable examples and its counts."""
+    """One source after tokenization: usable examples, counts, and the bad records (with file:line)."""
 
     examples: list[TokenizedExample]
     stats: SourceStats
     bad: list[str]
 
 
-def collect(outcomes: Sequence[Outcome], stats: SourceStats, on_bad_record: str, bad: list[str]) -> list[TokenizedExample]:
+def collect(outcomes: Sequence[Outcome], data: SourceData, on_bad_record: str) -> None:
     """Keep the examples, count the rest; the first bad conversation raises under `on_bad_record: error`."""
-    examples = []
+    stats = data.stats
     for outcome in outcomes:
         if outcome.status == "bad":
             if on_bad_record == "error":
                 raise DataError(outcome.problem)
             stats.bad_records += 1
-            bad.append(outcome.problem)
+            data.bad.append(outcome.problem)
         elif outcome.example is None:
             stats.dropped[outcome.status] = stats.dropped.get(outcome.status, 0) + 1
         else:
-            examples.append(outcome.example)
+            data.examples.append(outcome.example)
             if outcome.status == "truncated":
                 stats.truncated["trailing_turns"] = stats.truncated.get("trailing_turns", 0) + 1
                 stats.turns_removed += outcome.turns_removed
-    stats.kept = len(examples)
-    return examples
+    stats.kept = len(data.examples)
 
 
-class _Tokenizing:
-    """Reads, tokenizes and caches sources for one `prepare_data` call."""
+def load_sources(cfg: DataConfig, tokenizer: Any, sources: Sequence[DataSource], *,
+                 show_progress: bool) -> list[SourceData]:
+    """Every source tokenized: from the cache, or read, tokenized (one pool for all) and cached."""
+    settings = TokenizeSettings(cfg.train_on, cfg.max_seq_len, cfg.truncation)
+    tokenizer_fp = cache.tokenizer_fingerprint(tokenizer) if cfg.cache_dir is not None else None
+    results: list[SourceData] = []
+    todo: list[tuple[SourceData, list[Conversation], Path | None]] = []
+    for source in sources:
+        fmt = cfg.format if source.format == "auto" else source.format
+        fingerprint = source_fingerprint(source.path) if tokenizer_fp is not None else None
+        path = None
+        if fingerprint is not None:
+            key = cache.cache_key(source=fingerprint, format=fmt, split=source.split,
+                                  on_bad_record=cfg.on_bad_record, settings=dataclasses.asdict(settings),
+                                  tokenizer=tokenizer_fp)
+            path = cache.cache_path(cfg.cache_dir, key)
+        hit = cache.load(path) if path is not None else None
+        if hit is not None:
+            examples, meta = hit
+            stats = SourceStats(**{**meta["stats"], "cached": True})
+            results.append(SourceData(examples, stats, meta["bad"]))
+            continue
+        read = read_conversations(source.path, fmt=fmt, split=source.split, on_bad_record=cfg.on_bad_record)
+        stats = SourceStats(source.path, records=read.records, bad_records=len(read.bad))
+        data = SourceData([], stats, read.bad)
+        results.append(data)
+        todo.append((data, read.conversations, path))
+    if not todo:
+        return results
 
-    def __init__(self, cfg: DataConfig, tokenizer: Any, show_progress: bool):
-        self.cfg = cfg
-        self.tokenizer = tokenizer
-        self.settings = TokenizeSettings(cfg.train_on, cfg.max_seq_len, cfg.truncation)
-        self.workers = worker_count(cfg.num_workers)
-        self.show_progress = show_progress
-        self._tokenizer_fp: str | None = None
-
-    def cache_file(self, source: DataSource, fmt: str):
-        if self.cfg.cache_dir is None:
-            return None
-        fingerprint = source_fingerprint(source.path, source.split)
-        if fingerprint is None:
-            return None
-        if self._tokenizer_fp is None:
-            self._tokenizer_fp = cache.tokenizer_fingerprint(self.tokenizer)
-        key = cache.cache_key(
-            source=fingerprint, format=fmt, split=source.split, on_bad_record=self.cfg.on_bad_record,
-            settings=dataclasses.asdict(self.settings), tokenizer=self._tokenizer_fp,
-        )
-        return cache.cache_path(self.cfg.cache_dir, key)
-
-    def run(self, sources: list[DataSource]) -> list[SourceData]:
-        results: list[SourceData | None] = [None] * len(sources)
-        pending: list[tuple[int, Any, list[Conversation], SourceStats, list[str]]] = []
-        for i, source in enumerate(sources):
-            fmt = self.cfg.format if source.format == "auto" else source.format
-            path = self.cache_file(source, fmt)
-            hit = cache.load(path) if path is not None else None
-            if hit is not None:
-                examples, meta = hit
-                stats = SourceStats(**{**meta["stats"], "cached": True})
-                results[i] = SourceData(examples, stats, list(meta["bad"]))
-                continue
-            read = read_conversations(source.path, fmt=fmt, split=source.split,
-                                      on_bad_record=self.cfg.on_bad_record)
-            stats = SourceStats(source.path, records=read.records, bad_records=len(read.bad))
-            pending.append((i, path, read.conversations, stats, list(read.bad)))
-        if not pending:
-            return results  # type: ignore[return-value]
-
-        total = sum(len(convs) for _, _, convs, _, _ in pending)
-        workers = min(self.workers, max(1, total // PARALLEL_MIN_PER_WORKER))
-        pool = make_pool(self.tokenizer, self.settings, workers) if workers > 1 else None
-        try:
-            with _progress(self.show_progress) as progress:
-                for i, path, conversations, stats, bad in pending:
-                    task = progress.add_task(f"tokenizing {_short(sources[i].path)}", total=len(conversations))
-                    outcomes = tokenize_conversations(
-                        conversations, self.tokenizer, self.settings, pool=pool, workers=workers,
-                        on_progress=lambda n, task=task: progress.advance(task, n),
-                    )
-                    examples = collect(outcomes, stats, self.cfg.on_bad_record, bad)
-                    if path is not None:
-                        self._save(path, examples, stats, bad)
-                    results[i] = SourceData(examples, stats, bad)
-        finally:
-            if pool is not None:
-                pool.terminate()
-        return results  # type: ignore[return-value]
-
-    @staticmethod
-    def _save(path, examples: list[TokenizedExample], stats: SourceStats, bad: list[str]) -> None:
-        try:
-            cache.save(path, examples, {"stats": dataclasses.asdict(stats), "bad": bad[:BAD_RECORD_EXAMPLES]})
-        except OSError:
-            pass  # an unwritable cache only costs the next run its head start
+    total = sum(len(conversations) for _, conversations, _ in todo)
+    workers = min(worker_count(cfg.num_workers), max(1, total // PARALLEL_MIN_PER_WORKER))
+    pool = make_pool(tokenizer, settings, workers) if workers > 1 else None
+    try:
+        with _progress(show_progress) as progress:
+            for data, conversations, path in todo:
+                task = progress.add_task(f"tokenizing {_short(data.stats.path)}", total=len(conversations))
+                outcomes = tokenize_conversations(
+                    conversations, tokenizer, settings, pool=pool, workers=workers,
+                    on_progress=lambda n, task=task: progress.advance(task, n),
+                )
+                collect(outcomes, data, cfg.on_bad_record)
+                if path is not None:
+                    meta = {"stats": dataclasses.asdict(data.stats), "bad": data.bad[:BAD_RECORD_EXAMPLES]}
+                    try:
+                        cache.save(path, data.examples, meta)
+                    except OSError:
+                        pass  # an unwritable cache only costs the next run its head start
+    finally:
+        if pool is not None:
+            pool.terminate()
+    return results
 
 
 def _progress(show: bool) -> Progress:
@@ -367,7 +356,7 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, *, seed: int, show_progress: b
     all_sources = list(train_sources)
     if cfg.eval_path is not None:
         all_sources.append(DataSource(path=cfg.eval_path, format=cfg.format, split=cfg.split))
-    loaded = _Tokenizing(cfg, tokenizer, show_progress).run(all_sources)
+    loaded = load_sources(cfg, tokenizer, all_sources, show_progress=show_progress)
 
     train_parts, eval_parts = [], []
     for i, data in enumerate(loaded[: len(train_sources)]):
@@ -385,8 +374,9 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, *, seed: int, show_progress: b
     train: list[TokenizedExample] = []
     for i, (source, part, count) in enumerate(zip(train_sources, train_parts, counts)):
         if count > 0 and not part:
+            stats = loaded[i].stats
             raise DataError(f"{source.path}: no usable conversation to take {count} from "
-                            f"(dropped: {loaded[i].stats.dropped or 'none'}, bad: {loaded[i].stats.bad_records})")
+                            f"(dropped: {stats.dropped or 'none'}, bad records: {stats.bad_records})")
         taken = take(part, count, random.Random(f"ligertune-data:{seed}:take:{i}")) if part else []
         loaded[i].stats.taken = len(taken)
         train.extend(taken)

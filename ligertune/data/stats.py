@@ -56,7 +56,7 @@ class DataStats:
         return dataclasses.asdict(self)
 
     def summary(self) -> str:
-        """One line: `1200 read, 3 bad skipped, 12 dropped (too_long 12), 40 truncated, 81k of 310k tokens trained`."""
+        """One line, e.g. `1200 read, 12 dropped (too_long 12), 40 truncated, 81k of 310k tokens trained`."""
         parts = [f"{self.conversations_read} read"]
         if self.bad_records:
             parts.append(f"{self.bad_records} bad skipped")

@@ -47,6 +47,7 @@ from ligertune.kernels.reference import (
 from ligertune.kernels.types import LossOutput
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_PROGRAMS_PER_SM = 1
 
 
 @triton.jit
@@ -66,6 +67,7 @@ def _fused_linear_cross_entropy_fwd_kernel(
     loss_ptr,  # [rows] float32 out: w_t l_t
     z_loss_ptr,  # [rows] float32 out: w_t zw lse^2
     correct_ptr,  # [rows] int32 out: first argmax == target
+    n_rows,
     V,
     grad_scale,
     label_smoothing,
@@ -78,72 +80,75 @@ def _fused_linear_cross_entropy_fwd_kernel(
     COMPUTE_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    # int64 before the stride: rows * V passes 2^31 for a chunk of 16k rows of a 150k vocabulary.
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * stride_logits
-    y = tl.load(targets_ptr + row).to(tl.int32)
+    # A few programs per SM, each taking rows in turn: the rows in flight then fit in L2, so that
+    # pass 2 re-reads its row from L2 rather than from memory.
+    for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        # int64 before the stride: rows * V passes 2^31 for a chunk of 16k rows of a 150k vocabulary.
+        row = tl.cast(r, tl.int64)
+        row_ptr = logits_ptr + row * stride_logits
+        y = tl.load(targets_ptr + row).to(tl.int32)
 
-    z_y = tl.load(row_ptr + y).to(tl.float32)
-    if HAS_SOFTCAP:
-        z_y = softcap * _tanh(z_y / softcap)
-
-    # Pass 1: online log-sum-exp (Milakov & Gimelshein 2018) in float32, first argmax, sum of z.
-    m = float("-inf")
-    s = 0.0
-    sum_z = 0.0
-    argmax = 0
-    for start in range(0, V, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        mask = cols < V
-        b_z = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        z_y = tl.load(row_ptr + y).to(tl.float32)
         if HAS_SOFTCAP:
-            b_z = tl.where(mask, softcap * _tanh(b_z / softcap), float("-inf"))
-        b_max = tl.max(b_z, axis=0)
-        # Blocks come in column order and only a strictly larger max moves the argmax: ties keep
-        # the lowest column, as torch.argmax does.
-        b_first = tl.min(tl.where(b_z == b_max, cols, V), axis=0)
-        argmax = tl.where(b_max > m, b_first, argmax)
-        m_new = tl.maximum(m, b_max)
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(b_z - m_new), axis=0)
-        m = m_new
-        if HAS_SMOOTHING:
-            sum_z += tl.sum(tl.where(mask, b_z, 0.0), axis=0)
-    lse = m + tl.log(s)
+            z_y = softcap * _tanh(z_y / softcap)
 
-    loss = lse - (1.0 - label_smoothing) * z_y
-    if HAS_SMOOTHING:
-        loss -= label_smoothing * (sum_z / V)
-    z_term = 0.0
-    if HAS_ZLOSS:
-        z_term = z_loss_weight * lse * lse
-        loss += z_term
-    w = 1.0
-    if HAS_WEIGHTS:
-        w = tl.load(weights_ptr + row)
-    tl.store(loss_ptr + row, loss * w)
-    tl.store(z_loss_ptr + row, z_term * w)
-    tl.store(correct_ptr + row, (argmax == y).to(tl.int32))
-
-    if COMPUTE_GRAD:
-        # Pass 2: d (grad_scale w_t l_t) / d r_v, written over the row it was computed from.
-        coef = grad_scale * w
-        coef_p = coef
-        if HAS_ZLOSS:
-            coef_p = coef * (1.0 + 2.0 * z_loss_weight * lse)
+        # Pass 1: online log-sum-exp (Milakov & Gimelshein 2018) in float32, first argmax, sum of z.
+        m = float("-inf")
+        s = 0.0
+        sum_z = 0.0
+        argmax = 0
         for start in range(0, V, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             mask = cols < V
-            b_z = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            b_z = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
             if HAS_SOFTCAP:
-                b_t = _tanh(b_z / softcap)
-                b_z = softcap * b_t
-            b_g = coef_p * tl.exp(b_z - lse)
-            b_g = tl.where(cols == y, b_g - coef * (1.0 - label_smoothing), b_g)
+                b_z = tl.where(mask, softcap * _tanh(b_z / softcap), float("-inf"))
+            b_max = tl.max(b_z, axis=0)
+            # Blocks come in column order and only a strictly larger max moves the argmax: ties keep
+            # the lowest column, as torch.argmax does.
+            b_first = tl.min(tl.where(b_z == b_max, cols, V), axis=0)
+            argmax = tl.where(b_max > m, b_first, argmax)
+            m_new = tl.maximum(m, b_max)
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(b_z - m_new), axis=0)
+            m = m_new
             if HAS_SMOOTHING:
-                b_g -= coef * (label_smoothing / V)
-            if HAS_SOFTCAP:
-                b_g *= 1.0 - b_t * b_t
-            tl.store(row_ptr + cols, b_g.to(logits_ptr.dtype.element_ty), mask=mask)
+                sum_z += tl.sum(tl.where(mask, b_z, 0.0), axis=0)
+        lse = m + tl.log(s)
+
+        loss = lse - (1.0 - label_smoothing) * z_y
+        if HAS_SMOOTHING:
+            loss -= label_smoothing * (sum_z / V)
+        z_term = 0.0
+        if HAS_ZLOSS:
+            z_term = z_loss_weight * lse * lse
+            loss += z_term
+        w = 1.0
+        if HAS_WEIGHTS:
+            w = tl.load(weights_ptr + row)
+        tl.store(loss_ptr + row, loss * w)
+        tl.store(z_loss_ptr + row, z_term * w)
+        tl.store(correct_ptr + row, (argmax == y).to(tl.int32))
+
+        if COMPUTE_GRAD:
+            # Pass 2: d (grad_scale w_t l_t) / d r_v, written over the row it was computed from.
+            coef = grad_scale * w
+            coef_p = coef
+            if HAS_ZLOSS:
+                coef_p = coef * (1.0 + 2.0 * z_loss_weight * lse)
+            for start in range(0, V, BLOCK_V):
+                cols = start + tl.arange(0, BLOCK_V)
+                mask = cols < V
+                b_z = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                if HAS_SOFTCAP:
+                    b_t = _tanh(b_z / softcap)
+                    b_z = softcap * b_t
+                b_g = coef_p * tl.exp(b_z - lse)
+                b_g = tl.where(cols == y, b_g - coef * (1.0 - label_smoothing), b_g)
+                if HAS_SMOOTHING:
+                    b_g -= coef * (label_smoothing / V)
+                if HAS_SOFTCAP:
+                    b_g *= 1.0 - b_t * b_t
+                tl.store(row_ptr + cols, b_g.to(logits_ptr.dtype.element_ty), mask=mask)
 
 
 def _chunk_rows(n_rows: int, vocab: int, elem_size: int, chunk_bytes: int) -> int:
@@ -158,12 +163,20 @@ def _chunk_rows(n_rows: int, vocab: int, elem_size: int, chunk_bytes: int) -> in
     return rounded if rounded <= cap else rows
 
 
-def _row_kernel_config(vocab: int) -> tuple[int, int]:
-    """(BLOCK_V, num_warps): 4096 columns over 8 warps keeps 16 float32 values per thread, enough
-    loads in flight to stream a 128k-entry row at full bandwidth without spilling."""
+def _row_kernel_config(vocab: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_V, num_warps, programs) for the row kernel.
+
+    4096 columns over 8 warps keeps 16 float32 values per thread, enough loads in flight to stream
+    a 128k-entry row at full bandwidth without spilling. PROGRAMS_PER_SM programs per SM keep the
+    rows in flight (about 256 KiB each for a 128k vocabulary in bf16) inside L2. Off CUDA (the
+    interpreter) a few programs suffice and make each take several rows, as on a GPU.
+    """
     block_v = min(triton.next_power_of_2(vocab), 4096)
     num_warps = 8 if block_v >= 4096 else 4
-    return block_v, num_warps
+    if device.type != "cuda":
+        return block_v, num_warps, 4
+    n_sm = torch.cuda.get_device_properties(device).multi_processor_count
+    return block_v, num_warps, n_sm * _PROGRAMS_PER_SM
 
 
 def _fused_linear_cross_entropy_pass(
@@ -209,7 +222,7 @@ def _fused_linear_cross_entropy_pass(
 
     chunk = _chunk_rows(n, vocab, hidden.element_size(), chunk_bytes)
     logits = torch.empty((min(chunk, n), vocab), dtype=hidden.dtype, device=device)
-    block_v, num_warps = _row_kernel_config(vocab)
+    block_v, num_warps, max_programs = _row_kernel_config(vocab, device)
     w_t = weight.t()
     for start in range(0, n, chunk):
         end = min(start + chunk, n)
@@ -219,7 +232,7 @@ def _fused_linear_cross_entropy_pass(
             torch.mm(h_c, w_t, out=b_logits)
         else:
             torch.addmm(bias, h_c, w_t, out=b_logits)
-        _fused_linear_cross_entropy_fwd_kernel[(end - start,)](
+        _fused_linear_cross_entropy_fwd_kernel[(min(end - start, max_programs),)](
             b_logits,
             b_logits.stride(0),
             targets[start:end],
@@ -227,6 +240,7 @@ def _fused_linear_cross_entropy_pass(
             loss_rows[start:end],
             z_rows[start:end],
             correct_rows[start:end],
+            end - start,
             vocab,
             grad_scale,
             label_smoothing,

@@ -17,8 +17,21 @@ from ligertune.models.attention import (
     register_packed_attention,
 )
 from ligertune.models.head import CausalLMLoss, causal_lm_loss_from_logits
-from ligertune.models.loading import attn_implementation, build_config, build_model, load_tokenizer, resolve_dtype
-from ligertune.models.patching import PATCH_TABLE, PatchReport, PatchSpec, is_patched, patch_model, unpatch_model
+from ligertune.models.loading import (
+    attn_implementation,
+    build_config,
+    build_model,
+    load_tokenizer,
+    resolve_dtype,
+)
+from ligertune.models.patching import (
+    PATCH_TABLE,
+    PatchReport,
+    PatchSpec,
+    is_patched,
+    patch_model,
+    unpatch_model,
+)
 from ligertune.models.presets import PRESETS
 from ligertune.models.unwrap import decoder_of, output_head_of, unwrap_model
 

@@ -168,7 +168,8 @@ def packed_attention_forward(
     if cu_seqlens is not None:
         if _varlen_applies(query, dropout, softcap, sliding_window):
             max_len = kwargs.get("max_length_q")
-            return _varlen_attention(query, key, value, cu_seqlens, max_len, scaling, sliding_window, groups), None
+            out = _varlen_attention(query, key, value, cu_seqlens, max_len, scaling, sliding_window, groups)
+            return out, None
         segments = segment_ids_from_cu_seqlens(cu_seqlens, batch, q_len)
     else:
         segments = segment_ids_from_position_ids(kwargs.get("position_ids"), batch, q_len)
@@ -182,7 +183,9 @@ def segment_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: i
     return torch.searchsorted(cu_seqlens[1:].contiguous(), flat, right=True).view(batch, seq_len)
 
 
-def segment_ids_from_position_ids(position_ids: torch.Tensor | None, batch: int, seq_len: int) -> torch.Tensor | None:
+def segment_ids_from_position_ids(
+    position_ids: torch.Tensor | None, batch: int, seq_len: int
+) -> torch.Tensor | None:
     """[batch, seq_len] conversation index where position ids restart, or None for one conversation per row.
 
     A new conversation starts wherever the position does not follow the previous one by exactly 1,
@@ -283,7 +286,10 @@ def _varlen_function() -> tuple[Callable | None, frozenset[str]]:
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
-def _varlen_applies(query: torch.Tensor, dropout: float, softcap: float | None, sliding_window: int | None) -> bool:
+def _varlen_applies(
+    query: torch.Tensor, dropout: float, softcap: float | None, sliding_window: int | None
+) -> bool:
+    """Whether this call can take the varlen kernel (CUDA, half precision, no softcap or dropout)."""
     fn, params = _varlen_function()
     return (
         fn is not None

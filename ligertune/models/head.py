@@ -62,7 +62,9 @@ def causal_lm_loss_from_logits(
         loss = loss - label_smoothing * z.mean(dim=-1)
     z_part = z_loss_weight * lse.square()
     loss = loss + z_part
-    weights = supervised.float() if token_weights is None else torch.where(supervised, token_weights.float(), 0.0)
+    weights = supervised.float()
+    if token_weights is not None:
+        weights = torch.where(supervised, token_weights.float(), 0.0)
     loss, z_part = loss * weights, (z_part * weights).detach()
     n_tokens = supervised.sum()
     n_correct = (supervised & (z.argmax(dim=-1) == y)).sum()
@@ -156,6 +158,6 @@ class CausalLMLoss(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"fused={self.fused}, label_smoothing={self.label_smoothing}, z_loss_weight={self.z_loss_weight}, "
-            f"ignore_index={self.ignore_index}, softcap={self.softcap}"
+            f"fused={self.fused}, label_smoothing={self.label_smoothing}, "
+            f"z_loss_weight={self.z_loss_weight}, ignore_index={self.ignore_index}, softcap={self.softcap}"
         )

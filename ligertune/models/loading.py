@@ -74,7 +74,7 @@ def build_model(
     seed: int = 0,
     vocab_size: int | None = None,
 ):
-    """The causal LM of the recipe, on `device` in `dtype` (default: `model.dtype`), with the recipe's attention.
+    """The recipe's causal LM on `device`, in `dtype` (default `model.dtype`), with its attention.
 
     Pretrained (`model.name_or_path`), or built from `model.config` with weights drawn from the
     model's own initializer under `seed` (the global random state is left as it was). `vocab_size`
@@ -104,7 +104,9 @@ def build_model(
             source, dtype=dtype, attn_implementation=attn, trust_remote_code=remote
         )
     except (OSError, ValueError, KeyError) as err:
-        raise UserError(f"model.name_or_path: cannot load a model from {source!r}: {_first_line(err)}") from None
+        raise UserError(
+            f"model.name_or_path: cannot load a model from {source!r}: {_first_line(err)}"
+        ) from None
     model.to(device)
     if vocab_size is not None and vocab_size > model.get_input_embeddings().num_embeddings:
         with _seeded(seed, device):
@@ -112,7 +114,9 @@ def build_model(
     return model
 
 
-def build_config(spec: str | Mapping[str, Any], *, vocab_size: int | None = None, trust_remote_code: bool = False):
+def build_config(
+    spec: str | Mapping[str, Any], *, vocab_size: int | None = None, trust_remote_code: bool = False
+):
     """A `transformers` config from a preset name or a mapping of config fields with `model_type`.
 
     Unknown field names are an error (with a suggestion): `transformers` would keep a misspelt

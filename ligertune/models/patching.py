@@ -113,7 +113,9 @@ class PatchReport:
 # apply / revert
 
 
-def patch_model(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = True) -> PatchReport:
+def patch_model(
+    model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = True
+) -> PatchReport:
     """Route the model's RMSNorm, RoPE and SwiGLU through ligertune's kernels; see the module docstring.
 
     `model` may be a peft wrapper: its base model is patched (adapters stay in place). A model type
@@ -196,8 +198,8 @@ def _set_forward(module: nn.Module, fn: Callable, **options: Any) -> None:
 # the replacement forwards
 
 
-def _rms_norm_forward(module: nn.Module, hidden_states: torch.Tensor, *, eps_attr: str, offset: float) -> torch.Tensor:
-    return kernels.rms_norm(hidden_states, module.weight, getattr(module, eps_attr), offset)
+def _rms_norm_forward(module: nn.Module, x: torch.Tensor, *, eps_attr: str, offset: float) -> torch.Tensor:
+    return kernels.rms_norm(x, module.weight, getattr(module, eps_attr), offset)
 
 
 def _swiglu_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -219,7 +221,9 @@ class _RopeRedirect:
         self.models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         functools.update_wrapper(self, original)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *args, **kwargs):
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         unsqueeze_dim = kwargs.get("unsqueeze_dim", 1)
         if (
             args or set(kwargs) - {"unsqueeze_dim"} or unsqueeze_dim != 1

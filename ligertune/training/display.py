@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from rich.console import Console
+from rich.console import Console, Group
+from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.text import Text
@@ -21,36 +22,39 @@ def format_metrics(record: dict) -> str:
 
 
 class TrainProgress:
-    """A rich progress bar over optimizer steps with the latest metrics beside it."""
+    """A rich progress bar over optimizer steps, with the latest metrics on a line below it."""
 
     def __init__(self, console: Console, total_steps: int, initial_step: int = 0):
         self.console = console
         self._progress = Progress(
             TextColumn("[bold]train"),
-            BarColumn(bar_width=30),
+            BarColumn(bar_width=None),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
             TextColumn("eta"),
             TimeRemainingColumn(),
-            TextColumn("{task.fields[metrics]}"),
             console=console,
-            transient=False,
         )
-        self._task = self._progress.add_task("train", total=total_steps, completed=initial_step, metrics="")
+        self._task = self._progress.add_task("train", total=total_steps, completed=initial_step)
+        self._metrics = Text("", style="cyan")
+        self._live = Live(Group(self._progress, self._metrics), console=console, refresh_per_second=4)
 
     def __enter__(self) -> "TrainProgress":
-        self._progress.start()
+        self._live.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._progress.stop()
+        self._live.stop()
+        if not self.console.is_terminal:
+            self.console.line()
 
     def advance(self, step: int, record: dict | None = None) -> None:
-        fields = {"metrics": format_metrics(record)} if record else {}
-        self._progress.update(self._task, completed=step, **fields)
+        self._progress.update(self._task, completed=step)
+        if record:
+            self._metrics.plain = format_metrics(record)
 
     def log(self, message: str) -> None:
-        self._progress.console.print(message)
+        self._live.console.print(message)
 
 
 def summary_table(rows: list[tuple[str, str]], title: str = "run summary") -> Table:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+import transformers
 from rich.console import Console
 
 from ligertune.data import Batch, Pack, TokenizedExample, collate, pack, prepare_data, shuffled
@@ -65,6 +66,7 @@ class Run:
 def train(recipe: Recipe, *, console: Console | None = None) -> TrainResult:
     """Train the recipe's model on its data; write metrics and the final model to `output.dir`."""
     console = console or Console(stderr=False)
+    transformers.utils.logging.disable_progress_bar()  # the run has its own display
     run = setup(recipe, console)
     try:
         return train_loop(run)

@@ -25,22 +25,34 @@ CONVERSATION = [
     {"role": "assistant", "content": A2},
 ]
 
+
+
+def im(role: str, content: str) -> str:
+    """A whole ChatML message."""
+    return f"<|im_start|>{role}\n{content}<|im_end|>\n"
+
+
+def header(role: str) -> str:
+    """A Llama-3 role header."""
+    return f"<|start_header_id|>{role}<|end_header_id|>\n\n"
+
+
+ASK = "<|im_start|>assistant\n"  # ChatML generation prompt
+
 # (text, trained) segments of each family's rendering of CONVERSATION.
 EXPECTED = {
     "chatml": [
-        (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{U1}<|im_end|>\n<|im_start|>assistant\n", False),
+        (im("system", SYSTEM) + im("user", U1) + ASK, False),
         (f"{A1}<|im_end|>", True),
-        (f"\n<|im_start|>user\n{U2}<|im_end|>\n<|im_start|>assistant\n", False),
+        ("\n" + im("user", U2) + ASK, False),
         (f"{A2}<|im_end|>", True),
         ("\n", False),
     ],
     "llama3": [
-        ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n" + SYSTEM + "<|eot_id|>"
-         f"<|start_header_id|>user<|end_header_id|>\n\n{U1}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
-         False),
+        ("<|begin_of_text|>" + header("system") + f"{SYSTEM}<|eot_id|>" + header("user") + f"{U1}<|eot_id|>"
+         + header("assistant"), False),
         (f"{A1}<|eot_id|>", True),
-        (f"<|start_header_id|>user<|end_header_id|>\n\n{U2}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
-         False),
+        (f"{header('user')}{U2}<|eot_id|>{header('assistant')}", False),
         (f"{A2}<|eot_id|>", True),
     ],
     "mistral": [
@@ -62,10 +74,17 @@ EXPECTED = {
         (f"[INST] {SYSTEM}\n\n{U2}[/INST]", False),
         (f"{A2}</s>", True),
     ],
-    "chatml_think": [
-        (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{U1}<|im_end|>\n<|im_start|>assistant\n", False),
+    "chatml_last_system": [
+        (im("user", U1) + ASK, False),
         (f"{A1}<|im_end|>", True),
-        (f"\n<|im_start|>user\n{U2}<|im_end|>\n<|im_start|>assistant\n", False),
+        ("\n" + im("system", SYSTEM) + im("user", U2) + ASK, False),
+        (f"{A2}<|im_end|>", True),
+        ("\n", False),
+    ],
+    "chatml_think": [
+        (im("system", SYSTEM) + im("user", U1) + ASK, False),
+        (f"{A1}<|im_end|>", True),
+        ("\n" + im("user", U2) + ASK, False),
         (f"<think>\n\n</think>\n\n{A2}<|im_end|>", True),
         ("\n", False),
     ],
@@ -106,6 +125,40 @@ def test_every_assistant_turn_and_its_end_of_turn_are_trained(tokenizer_factory,
     assert example.trained_tokens > 0
 
 
+REPEATED = [{"role": "system", "content": SYSTEM}] + [
+    {"role": "user", "content": U1}, {"role": "assistant", "content": A1}] * 3
+
+EXPECTED_REPEATED = {
+    "chatml_last_system": [
+        (im("user", U1) + ASK, False),
+        (f"{A1}<|im_end|>", True),
+        ("\n" + im("user", U1) + ASK, False),
+        (f"{A1}<|im_end|>", True),
+        ("\n" + im("system", SYSTEM) + im("user", U1) + ASK, False),
+        (f"{A1}<|im_end|>", True),
+        ("\n", False),
+    ],
+    "mistral_last_system": [
+        (f"<s>[INST] {U1}[/INST]", False),
+        (f"{A1}</s>", True),
+        (f"[INST] {U1}[/INST]", False),
+        (f"{A1}</s>", True),
+        (f"[INST] {SYSTEM}\n\n{U1}[/INST]", False),
+        (f"{A1}</s>", True),
+    ],
+}
+
+
+@pytest.mark.parametrize("family", list(EXPECTED_REPEATED))
+def test_an_exchange_repeated_word_for_word(tokenizer_factory, family):
+    """Each answer is found at its own place, not in the question it repeats nor at a later copy
+    (whose preceding text matches the prompt even further back, the system prompt having moved)."""
+    tokenizer = tokenizer_factory(family, "bytelevel")
+    segments = EXPECTED_REPEATED[family]
+    assert tokenizer.apply_chat_template(REPEATED, tokenize=False) == "".join(t for t, _ in segments)
+    assert tokenize_conversation(tokenizer, REPEATED).labels == expected_labels(tokenizer, segments)
+
+
 @pytest.mark.parametrize("family", list(EXPECTED))
 def test_input_ids_match_the_templates_own_tokenization(tokenizer_factory, family):
     tokenizer = tokenizer_factory(family, "bytelevel")
@@ -142,7 +195,8 @@ def test_tool_turns_pass_through_untrained(chatml):
 
 
 def test_empty_answer_still_trains_its_end_of_turn(chatml):
-    example = tokenize_conversation(chatml, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}])
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}]
+    example = tokenize_conversation(chatml, messages)
     trained = [tok for tok in example.labels if tok != IGNORE_INDEX]
     assert trained == [chatml.convert_tokens_to_ids("<|im_end|>")]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import conversation, write_jsonl
+from chat_fixtures import conversation, write_jsonl
 from typer.testing import CliRunner
 
 from ligertune.cli.main import app

@@ -67,16 +67,21 @@ def test_plain_formula_matches_the_fused_kernel(options):
     weight = torch.randn(v, h, generator=gen, dtype=torch.float64).mul_(0.2).requires_grad_()
     targets = torch.randint(0, v, (n,), generator=gen)
     targets[::3] = -100
-    token_weights = torch.rand(n, generator=gen, dtype=torch.float64) if options.pop("weights", False) else None
+    token_weights = None
+    if options.pop("weights", False):
+        token_weights = torch.rand(n, generator=gen, dtype=torch.float64)
     options.setdefault("reduction", "mean")
 
-    fused = kernels.fused_linear_cross_entropy(hidden, weight, targets, token_weights=token_weights, **options)
+    fused = kernels.fused_linear_cross_entropy(
+        hidden, weight, targets, token_weights=token_weights, **options
+    )
     fused_grads = torch.autograd.grad(fused.loss.sum(), (hidden, weight))
     plain = causal_lm_loss_from_logits(hidden @ weight.T, targets, token_weights=token_weights, **options)
     plain_grads = torch.autograd.grad(plain.loss.sum(), (hidden, weight))
 
     for name in ("loss", "z_loss"):
-        torch.testing.assert_close(getattr(plain, name).float(), getattr(fused, name).float(), rtol=1e-5, atol=1e-6)
+        got, want = getattr(plain, name).float(), getattr(fused, name).float()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert (plain.n_correct.item(), plain.n_tokens.item()) == (fused.n_correct.item(), fused.n_tokens.item())
     for got, want in zip(plain_grads, fused_grads):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
@@ -151,7 +156,8 @@ def test_token_weights_and_reductions(packed_batch):
 
 def test_gemma2_final_logit_softcapping(packed_batch):
     """Gemma 2 caps its logits; the head applies the same cap, fused and unfused."""
-    reference, model = make_model("gemma2", final_logit_softcapping=2.0), make_model("gemma2", final_logit_softcapping=2.0)
+    reference = make_model("gemma2", final_logit_softcapping=2.0)
+    model = make_model("gemma2", final_logit_softcapping=2.0)
     loss_ref = hf_reference(reference, packed_batch)
     for fused in (True, False):
         out = CausalLMLoss(model, fused=fused)(packed_batch.input_ids, packed_batch.position_ids,
@@ -187,7 +193,9 @@ def test_lm_head_in_modules_to_save_keeps_the_fused_path(packed_batch, monkeypat
     reference_loss = hf_reference(model, packed_batch)
     calls = []
     original = kernels.fused_linear_cross_entropy
-    monkeypatch.setattr(kernels, "fused_linear_cross_entropy", lambda *a, **k: calls.append(1) or original(*a, **k))
+    monkeypatch.setattr(
+        kernels, "fused_linear_cross_entropy", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
     out = CausalLMLoss(model)(packed_batch.input_ids, packed_batch.position_ids, packed_batch.targets,
                               cu_seqlens=packed_batch.cu_seqlens)
     out.loss.backward()

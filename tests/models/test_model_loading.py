@@ -8,7 +8,14 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from ligertune.errors import UserError
-from ligertune.models import PACKED_ATTENTION, PRESETS, build_config, build_model, load_tokenizer, resolve_dtype
+from ligertune.models import (
+    PACKED_ATTENTION,
+    PRESETS,
+    build_config,
+    build_model,
+    load_tokenizer,
+    resolve_dtype,
+)
 from ligertune.recipe import ModelConfig
 
 # Parameter counts published with each model (embeddings counted once when tied).
@@ -30,7 +37,9 @@ def tokenizer_dir(tmp_path):
     vocab = {"<unk>": 0, "<pad>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(37)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="</s>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="</s>"
+    )
     fast.save_pretrained(tmp_path / "tok")
     return tmp_path / "tok"
 
@@ -101,7 +110,8 @@ def test_pretrained_directory_round_trip(tmp_path):
     [
         pytest.param("tiny-lama", "unknown preset 'tiny-lama'; did you mean `tiny-llama`?", id="preset-typo"),
         pytest.param({"model_type": "llama", "hidnen_size": 8, "vocab_size": 10},
-                     "model.config.hidnen_size: unknown field for model type 'llama'; did you mean `hidden_size`?",
+                     "model.config.hidnen_size: unknown field for model type 'llama'; "
+                     "did you mean `hidden_size`?",
                      id="field-typo"),
         pytest.param({"model_type": "no-such-model", "vocab_size": 10}, "unknown model type 'no-such-model'",
                      id="model-type"),

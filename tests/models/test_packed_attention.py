@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from ligertune.models import packed_attention_kwargs
-from ligertune.models.attention import block_causal_mask, segment_ids_from_position_ids
+from ligertune.models import packed_attention_forward, packed_attention_kwargs
+from ligertune.models.attention import _varlen_applies, block_causal_mask, segment_ids_from_position_ids
 from tiny_models import FAMILIES, VOCAB, make_model, make_packed_batch
 
 FAMILY_IDS = list(FAMILIES)
@@ -17,7 +18,7 @@ def alone_logits(model, batch) -> torch.Tensor:
     out = []
     for start, end in batch.pieces():
         ids = batch.input_ids[:, start:end]
-        out.append(model(ids, position_ids=torch.arange(end - start)[None]).logits[0])
+        out.append(model(ids, position_ids=torch.arange(end - start, device=ids.device)[None]).logits[0])
     return torch.cat(out)
 
 
@@ -122,25 +123,58 @@ def test_block_causal_mask_draws_blocks_and_window():
     assert block_causal_mask(None, 6, sliding_window=6, device=torch.device("cpu")) is None
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="varlen attention needs CUDA")
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("window", [None, 6], ids=["full", "window6"])
+@pytest.mark.parametrize(
+    ("device", "dtype", "tolerance"),
+    [
+        pytest.param("cpu", torch.float32, 1e-5, id="cpu-fp32-mask"),
+        pytest.param("cuda", torch.bfloat16, 1e-2, id="cuda-bf16-varlen", marks=CUDA),
+    ],
+)
+@torch.no_grad()
+def test_attention_function_keeps_segments_apart(window, device, dtype, tolerance):
+    """Each segment's output is its own causal (windowed) attention, computed apart in fp32."""
+    lengths = [37, 11, 64, 5, 20]
+    total = sum(lengths)
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, 8, total, 64, device=device, generator=gen).to(dtype)
+    k, v = (torch.randn(1, 2, total, 64, device=device, generator=gen).to(dtype) for _ in range(2))
+    assert _varlen_applies(q, 0.0, None, window) == (device == "cuda")
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    kwargs = packed_attention_kwargs(cu, device=device)
+    out, _ = packed_attention_forward(
+        torch.nn.Module(), q, k, v, None, scaling=0.2, sliding_window=window, **kwargs
+    )
+
+    def attend(qs, ks, vs):  # fp32 SDPA of one segment, with transformers' window rule
+        n = qs.shape[2]
+        idx = torch.arange(n, device=device)
+        mask = (idx[None] <= idx[:, None]) & ((idx[:, None] - idx[None]) < (window or n))
+        ks, vs = ks.repeat_interleave(4, dim=1), vs.repeat_interleave(4, dim=1)
+        return F.scaled_dot_product_attention(qs.float(), ks.float(), vs.float(), attn_mask=mask, scale=0.2)
+
+    pieces = [attend(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e]) for s, e in zip(cu[:-1], cu[1:])]
+    expected = torch.cat(pieces, dim=2)
+    expected = expected.transpose(1, 2)
+    assert out.shape == expected.shape
+    assert (out.float() - expected).norm() / expected.norm() < tolerance
+    naive = attend(q, k, v).transpose(1, 2)  # the whole row as one sequence
+    assert (out.float() - naive).norm() / naive.norm() > 0.1
+
+
+@CUDA
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen3"])
 @torch.no_grad()
-def test_varlen_path_on_cuda_equals_each_conversation_alone(family):
-    """bf16 on CUDA takes FlashAttention's varlen kernel; compare with the fp32 model, per conversation."""
-    from ligertune.models.attention import _varlen_applies
-
+def test_packed_bf16_model_on_cuda_matches_each_conversation_alone(family):
+    """A bf16 model on CUDA (varlen path) against the fp32 model run per conversation."""
     batch = make_packed_batch([37, 11, 64, 5, 20])
+    batch.input_ids, batch.position_ids = batch.input_ids.cuda(), batch.position_ids.cuda()
     packed = make_model(family).to("cuda", torch.bfloat16)
     reference = make_model(family, attention="eager").to("cuda")
-    q = torch.empty(1, 4, 8, 16, device="cuda", dtype=torch.bfloat16)
-    assert _varlen_applies(q, 0.0, None, FAMILIES[family].get("sliding_window"))
     kwargs = packed_attention_kwargs(batch.cu_seqlens, device="cuda")
-    logits = packed(batch.input_ids.cuda(), position_ids=batch.position_ids.cuda(), **kwargs).logits[0].float()
-    expected = alone_logits(reference, type(batch)(batch.lengths, batch.input_ids.cuda(), batch.position_ids.cuda(),
-                                                   batch.targets.cuda(), batch.cu_seqlens))
-    rel = (logits - expected).norm() / expected.norm()
-    assert rel < 2e-2
-    # The mask path, fed the same bf16 inputs, agrees with the varlen path to bf16 rounding.
-    masked = make_model(family).to("cuda", torch.bfloat16)
-    mask_logits = masked(batch.input_ids.cuda(), position_ids=batch.position_ids.cuda(), use_cache=False).logits[0]
-    assert (logits - mask_logits.float()).norm() / mask_logits.float().norm() < 1e-2
+    logits = packed(batch.input_ids, position_ids=batch.position_ids, **kwargs).logits[0].float()
+    expected = alone_logits(reference, batch)
+    assert (logits - expected).norm() / expected.norm() < 2e-2

@@ -17,7 +17,14 @@ import torch
 import torch.nn.functional as F
 
 from ligertune import kernels
-from ligertune.models import PATCH_TABLE, CausalLMLoss, is_patched, patch_model, unpatch_model
+from ligertune.models import (
+    PATCH_TABLE,
+    CausalLMLoss,
+    is_patched,
+    packed_attention_kwargs,
+    patch_model,
+    unpatch_model,
+)
 from ligertune.models.patching import _RopeRedirect
 from tiny_models import FAMILIES, SWIGLU_FAMILIES, make_model
 
@@ -46,12 +53,11 @@ def hf_loss_and_grads(model, batch) -> tuple[torch.Tensor, torch.Tensor, dict[st
                    **_packed(batch)).logits
     loss = F.cross_entropy(logits.flatten(0, 1).float(), batch.targets.flatten(), reduction="sum")
     loss.backward()
-    return logits.detach(), loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return logits.detach(), loss.detach(), grads
 
 
-def _packed(batch):
-    from ligertune.models import packed_attention_kwargs
-
+def _packed(batch) -> dict:
     return packed_attention_kwargs(batch.cu_seqlens)
 
 
@@ -165,7 +171,8 @@ def test_peft_wrapped_model_is_patched_through_its_base(packed_batch, kernel_cal
                                   cu_seqlens=packed_batch.cu_seqlens)
         out.loss.backward()
         assert (kernel_calls["swiglu"] > 0) == patched
-        results.append((out.loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        results.append((out.loss.detach(), grads))
         if patched:
             unpatch_model(model)
     (loss0, grads0), (loss1, grads1) = results
@@ -194,7 +201,8 @@ def test_patched_llama_through_triton_kernels_in_the_interpreter():
         ref_loss.backward()
         model = make_model("llama")
         patch_model(model)
-        out = CausalLMLoss(model)(batch.input_ids, batch.position_ids, batch.targets, cu_seqlens=batch.cu_seqlens)
+        head = CausalLMLoss(model)
+        out = head(batch.input_ids, batch.position_ids, batch.targets, cu_seqlens=batch.cu_seqlens)
         out.loss.backward()
         torch.testing.assert_close(out.loss, ref_loss, rtol=1e-4, atol=1e-4)
         for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):

@@ -27,14 +27,16 @@ _BASE = {
     "tie_word_embeddings": False,
 }
 
+_GEMMA = {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 4}
+
 FAMILIES: dict[str, dict] = {
     "llama": {"model_type": "llama", **_BASE},
     "mistral": {"model_type": "mistral", **_BASE, "sliding_window": 4},
     "qwen2": {"model_type": "qwen2", **_BASE},
     "qwen3": {"model_type": "qwen3", **_BASE, "head_dim": 16},
     "gemma": {"model_type": "gemma", **_BASE, "head_dim": 16},
-    "gemma2": {"model_type": "gemma2", **_BASE, "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 4},
-    "gemma3": {"model_type": "gemma3_text", **_BASE, "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 4},
+    "gemma2": {"model_type": "gemma2", **_BASE, **_GEMMA},
+    "gemma3": {"model_type": "gemma3_text", **_BASE, **_GEMMA},
 }
 """Family id -> config fields of its tiny model."""
 

@@ -1,0 +1,159 @@
+"""`ligertune bench step` on a tiny Llama on the CPU, and the arithmetic behind its columns."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from ligertune.bench import step as bench_step
+from ligertune.cli.bench import app
+
+RECIPE = """\
+model:
+  config:
+    model_type: llama
+    vocab_size: 311
+    hidden_size: 32
+    intermediate_size: 56
+    num_hidden_layers: 2
+    num_attention_heads: 4
+    num_key_value_heads: 2
+    max_position_embeddings: 256
+  dtype: float32
+data:
+  path: chat.jsonl
+  max_seq_len: 48
+train:
+  micro_batch_size: 2
+  gradient_checkpointing: true
+  seed: 3
+"""
+
+
+@pytest.fixture
+def recipe_file(tmp_path):
+    (tmp_path / "chat.jsonl").write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
+        + "\n"
+    )
+    path = tmp_path / "tiny.yaml"
+    path.write_text(RECIPE)
+    return path
+
+
+def test_bench_step_runs_one_step_of_each_variant(recipe_file, tmp_path, no_peers):
+    out = tmp_path / "step.json"
+    result = CliRunner().invoke(app, ["step", str(recipe_file), "--steps", "1", "--warmup", "0", "--json", str(out)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    data = json.loads(out.read_text())
+    assert data["device_type"] == "cpu" and data["micro_batch_size"] == 2 and data["max_seq_len"] == 48
+    assert data["model"]["type"] == "LlamaForCausalLM" and data["model"]["vocab_size"] == 311
+    assert "rms_norm" in data["kernels"] and "fused loss: on" in data["kernels"]
+    rows = {row["name"]: row for row in data["rows"]}
+    assert list(rows) == ["ligertune", "HF (sdpa)", "HF + Liger", "ligertune, packed chat", "ligertune, padded chat"]
+    for name in ("ligertune", "HF (sdpa)"):
+        assert rows[name]["status"] == "ok", rows[name]
+        assert rows[name]["tokens"] == 2 * 48 and rows[name]["steps"] == 1
+        assert rows[name]["tokens_per_s"] > 0 and rows[name]["flops"] > 0
+        assert rows[name]["mfu"] is None and rows[name]["peak_mem_gib"] is None  # no GPU
+    assert rows["ligertune"]["vs_ligertune"] == 1.0
+    assert rows["HF + Liger"]["status"] == "not installed"
+    packed, padded = rows["ligertune, packed chat"], rows["ligertune, padded chat"]
+    assert packed["status"] == "ok" and padded["status"] == "ok"
+    assert packed["tokens"] == padded["tokens"] > 0  # the same conversations, real tokens only
+    assert packed["flops"] == padded["flops"]
+    assert padded["steps"] >= packed["steps"]  # padding needs at least as many micro-batches
+    assert "HF + Liger: not installed" in result.output
+
+
+def test_bench_step_without_chat_and_with_overrides(recipe_file, no_peers):
+    result = CliRunner().invoke(app, ["step", str(recipe_file), "--steps", "1", "--warmup", "0", "--no-chat",
+                                      "--set", "train.micro_batch_size=1", "--set", "kernels.rms_norm=false"])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    assert "packed chat" not in result.output
+    assert "batch: 1 x 48 tokens" in result.output
+
+
+def test_bench_step_bad_recipe_is_one_clear_error(recipe_file):
+    result = CliRunner().invoke(app, ["step", str(recipe_file), "--set", "train.micro_batch_sise=1"])
+    assert result.exit_code == 2
+    assert "micro_batch_size" in result.output  # the did-you-mean
+
+
+@pytest.mark.parametrize(
+    "lengths, budget",
+    [
+        pytest.param([5, 3, 8, 2, 9, 1, 1, 1], 16, id="mixed"),
+        pytest.param([16, 16, 1], 16, id="full-rows"),
+        pytest.param([7], 100, id="one"),
+    ],
+)
+def test_padded_groups_keep_order_and_budget(lengths, budget):
+    groups = bench_step.padded_groups(lengths, budget)
+    assert [i for g in groups for i in g] == list(range(len(lengths)))
+    for group in groups:
+        assert len(group) * max(lengths[i] for i in group) <= budget
+    # Greedy: the next conversation would not have fitted.
+    for group, nxt in zip(groups, groups[1:]):
+        grown = group + [nxt[0]]
+        assert len(grown) * max(lengths[i] for i in grown) > budget
+
+
+def test_synthetic_conversations_are_mixed_masked_and_bounded():
+    examples = bench_step.synthetic_conversations(5000, max_len=300, vocab_size=97, seed=1)
+    lengths = [len(e) for e in examples]
+    assert sum(lengths) >= 5000 and sum(lengths) - lengths[-1] < 5000
+    assert min(lengths) >= 8 and max(lengths) <= 300 and len(set(lengths)) > 10
+    for e in examples:
+        prompt = e.labels.index(next(x for x in e.labels if x != -100))
+        assert 0.2 * len(e) - 1 <= prompt <= 0.6 * len(e)
+        assert e.labels[prompt:] == e.input_ids[prompt:]
+        assert all(0 <= t < 97 for t in e.input_ids)
+    again = bench_step.synthetic_conversations(5000, max_len=300, vocab_size=97, seed=1)
+    assert [e.input_ids for e in again] == [e.input_ids for e in examples]
+
+
+@pytest.mark.parametrize("tied", [pytest.param(True, id="tied"), pytest.param(False, id="untied")])
+def test_model_flops(tied):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=101, hidden_size=16, intermediate_size=24, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    model = LlamaForCausalLM(config)
+    total = sum(p.numel() for p in model.parameters())
+    embedding = 101 * 16
+    assert bench_step.matmul_params(model) == (total if tied else total - embedding)
+    seq_lens = [10, 3, 7]
+    want = 6 * bench_step.matmul_params(model) * 20 + 6 * 3 * 4 * 4 * (100 + 9 + 49)
+    assert bench_step.model_flops(model, 20, seq_lens) == want
+
+
+def test_peak_lookup():
+    assert bench_step._spec_peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert bench_step._spec_peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert bench_step._spec_peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert bench_step._spec_peak_tflops("Some Future GPU") is None
+
+
+def test_restored_module_undoes_a_monkey_patch(monkeypatch):
+    module = types.ModuleType("ligertune_bench_fake_modeling")
+    module.apply = original = object()
+    module.Norm = norm = object()
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    with bench_step._restored_module(module.__name__):
+        module.apply = object()
+        module.added = 1
+        del module.Norm
+    assert module.apply is original and module.Norm is norm
+    assert not hasattr(module, "added")
+
+
+def test_token_mean_weights():
+    targets = torch.tensor([[-100, 4, 5, -100, 7]])
+    w = bench_step._token_mean_weights(targets, -100)
+    assert torch.equal(w, torch.tensor([[0.0, 1 / 3, 1 / 3, 0.0, 1 / 3]]))

@@ -8,8 +8,10 @@ from ligertune.cli.options import RecipeArg, SetOpt
 
 
 def validate(recipe: RecipeArg, set_: SetOpt = None) -> None:
-    """Check the recipe's schema, that its data files are readable and well-formed, and that its
-    tokenizer and model resolve. Nothing is trained.
+    """Check a recipe, its data, tokenizer and model without training.
+
+    Checks the schema, that the data files are readable and well-formed, and that the tokenizer
+    and the model resolve (no weights are loaded).
 
     Example: [bold]ligertune validate recipes/quickstart.yaml --set data.max_seq_len=512[/]
     """
@@ -22,7 +24,7 @@ def validate(recipe: RecipeArg, set_: SetOpt = None) -> None:
     console.print(f"[green]ok[/] recipe {recipe}")
     tokenizer = load_tokenizer(loaded.model)
     console.print(f"[green]ok[/] tokenizer {type(tokenizer).__name__}, {len(tokenizer)} tokens")
-    console.print(f"[green]ok[/] model {check_model(loaded.model)}")
+    console.print(f"[green]ok[/] model {check_model(loaded.model, vocab_size=len(tokenizer))}")
     data = prepare_data(loaded.data, tokenizer, seed=loaded.train.seed, show_progress=False)
     stats = data.stats
     console.print(

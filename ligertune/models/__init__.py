@@ -46,6 +46,7 @@ __all__ = [
     "build_config",
     "build_model",
     "causal_lm_loss_from_logits",
+    "check_model",
     "decoder_of",
     "is_patched",
     "load_tokenizer",

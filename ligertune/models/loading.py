@@ -114,6 +114,29 @@ def build_model(
     return model
 
 
+def check_model(model_cfg: ModelConfig, *, vocab_size: int | None = None) -> str:
+    """Resolve the recipe's model without loading weights; return a one-line description of it.
+
+    A config (preset or mapping) is built; a pretrained model's config is read (from the local
+    folder, or the hub when `name_or_path` is a hub id).
+    """
+    if model_cfg.config is not None:
+        config = build_config(model_cfg.config, vocab_size=vocab_size, trust_remote_code=model_cfg.trust_remote_code)
+        origin = "random init from config"
+    else:
+        from transformers import AutoConfig
+
+        source = model_cfg.name_or_path
+        _check_local(source, "model.name_or_path")
+        try:
+            config = AutoConfig.from_pretrained(source, trust_remote_code=model_cfg.trust_remote_code)
+        except (OSError, ValueError, KeyError) as err:
+            raise UserError(f"model.name_or_path: cannot load a config from {source!r}: {_first_line(err)}") from None
+        origin = f"pretrained from {source}"
+    return (f"{config.model_type}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+            f"vocab {config.vocab_size} ({origin})")
+
+
 def build_config(
     spec: str | Mapping[str, Any], *, vocab_size: int | None = None, trust_remote_code: bool = False
 ):

@@ -1,0 +1,120 @@
+"""The command line through typer's CliRunner: help, validate, recipes, env, and one test per error class."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tiny_recipe import write_recipe
+from ligertune.cli.main import app
+from ligertune.recipe import bundled_recipes
+
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def assert_user_error(result, *expected: str) -> None:
+    """Exit code 2, the messages on stderr as `error:` lines, and no traceback."""
+    assert result.exit_code == 2, result.output
+    for text in expected:
+        assert text in result.stderr, result.stderr
+    assert "Traceback" not in result.output + result.stderr
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["train"], ["validate"], ["data"], ["verify-loss"], ["env"], ["recipes", "ls"], ["recipes", "cp"],
+     ["bench", "kernels"], ["bench", "step"]],
+    ids=lambda c: "-".join(c),
+)
+def test_help_shows_an_example(command):
+    result = invoke(*command, "--help")
+    assert result.exit_code == 0, result.output
+    assert "Example" in result.output
+
+
+def test_validate_a_good_recipe(tiny_recipe: Path):
+    result = invoke("validate", tiny_recipe)
+    assert result.exit_code == 0, result.output
+    assert "48 train and 8 eval conversations" in result.output
+
+
+def test_validate_reports_every_schema_problem_with_its_key(tiny_recipe: Path):
+    result = invoke("validate", tiny_recipe, "--set", "optim.lr=-1", "--set", "model.dtyp=bf16",
+                    "--set", "loss.normalization=tokens")
+    assert_user_error(
+        result,
+        "optim.lr: must be > 0, got -1.0",
+        "model.dtyp: unknown key; did you mean `dtype`?",
+        "loss.normalization: must be one of token, sequence, sum, got 'tokens'; did you mean `token`?",
+    )
+
+
+def test_yaml_syntax_error_names_line_and_column(tmp_path: Path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("model:\n  config: llama-tiny\n  dtype: [bf16\n")
+    assert_user_error(invoke("validate", path), f"{path}: YAML syntax error at line")
+
+
+def test_missing_recipe_file(tmp_path: Path):
+    assert_user_error(invoke("train", tmp_path / "absent.yaml"), "absent.yaml: recipe file not found")
+
+
+def test_missing_data_file_names_the_path(tmp_path: Path):
+    path = write_recipe(tmp_path, data={"path": "nowhere.jsonl"})
+    assert_user_error(invoke("validate", path), "nowhere.jsonl")
+
+
+def test_malformed_data_names_file_and_line(tmp_path: Path):
+    path = write_recipe(tmp_path)
+    lines = (tmp_path / "train.jsonl").read_text().splitlines()
+    lines[4] = '{"messages": [{"role": "robot", "content": "hi"}]}'
+    (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
+    assert_user_error(invoke("validate", path), "train.jsonl:5:", "robot")
+
+
+def test_missing_tokenizer_names_the_path(tmp_path: Path):
+    path = write_recipe(tmp_path, model={"tokenizer": str(tmp_path / "no-tokenizer")})
+    assert_user_error(invoke("validate", path), "no-tokenizer")
+
+
+def test_debug_shows_the_traceback(tmp_path: Path, monkeypatch):
+    monkeypatch.delenv("LIGERTUNE_DEBUG", raising=False)
+    result = invoke("--debug", "validate", tmp_path / "absent.yaml")
+    assert result.exit_code != 0
+    assert type(result.exception).__name__ == "RecipeError"
+    monkeypatch.delenv("LIGERTUNE_DEBUG", raising=False)
+
+
+def test_recipes_ls_show_cp(tmp_path: Path):
+    listed = invoke("recipes", "ls")
+    assert listed.exit_code == 0 and "quickstart" in listed.output
+    shown = invoke("recipes", "show", "quickstart")
+    assert shown.exit_code == 0 and "ligertune train recipes/quickstart.yaml" in shown.output
+    target = tmp_path / "mine.yaml"
+    assert invoke("recipes", "cp", "quickstart", target).exit_code == 0
+    assert target.read_text() == bundled_recipes()["quickstart"].read_text()
+    assert_user_error(invoke("recipes", "cp", "quickstart", target), "exists; pass --force")
+    assert_user_error(invoke("recipes", "show", "quikstart"), "did you mean `quickstart`?")
+
+
+def test_env_reports_versions_and_kernel_path(monkeypatch):
+    monkeypatch.setenv("LIGERTUNE_KERNELS", "reference")
+    result = invoke("env", "--json")
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.output)
+    assert info["kernel path"] == "reference"
+    assert info["torch"] and info["device"].startswith(("cpu", "cuda"))
+
+
+@pytest.mark.parametrize("name", sorted(bundled_recipes()))
+def test_every_bundled_recipe_validates(name: str):
+    result = invoke("validate", bundled_recipes()[name])
+    assert result.exit_code == 0, result.output + result.stderr

@@ -4,7 +4,13 @@
     report = run_kernel_bench(KernelBenchConfig(kernels=("flce",)))
 """
 
-from ligertune.bench.kernels import KernelBenchConfig, KernelReport, KernelRow, relative_error, run_kernel_bench
+from ligertune.bench.kernels import (
+    KernelBenchConfig,
+    KernelReport,
+    KernelRow,
+    relative_error,
+    run_kernel_bench,
+)
 from ligertune.bench.step import StepBenchConfig, StepReport, StepRow, run_step_bench
 from ligertune.bench.timing import Timing, measure
 

@@ -42,7 +42,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from ligertune.bench.peers import NOT_INSTALLED, Peer, find_peer, import_peer
+from ligertune.bench.peers import NOT_INSTALLED, Peer, find_peer
 from ligertune.bench.timing import Timing, measure, synchronize
 from ligertune.errors import UserError
 
@@ -282,14 +282,17 @@ def flce_problem(dims: dict[str, int], device: torch.device, dtype: torch.dtype,
 
         return (linear_cross_entropy(x["hidden"], x["weight"], x["targets"], **kwargs),)
 
+    def eager(x):
+        return (_eager_flce(x["hidden"], x["weight"], x["targets"]),)
+
     floor = _GemmFloor(n, h, v, device, dtype, gen)
     impls = [
         Impl(f"{LIGERTUNE} ({path})", ours),
         Impl(f"{LIGERTUNE} +options", ours_options, semantics="options"),
         Impl(f"{LIGERTUNE} low-mem ({LOW_MEMORY_CHUNK_BYTES >> 20} MiB chunks)",
              lambda x: ours(x, chunk_bytes=LOW_MEMORY_CHUNK_BYTES)),
-        Impl("torch eager", lambda x: (_eager_flce(x["hidden"], x["weight"], x["targets"]),)),
-        Impl("torch.compile", lambda x: (_eager_flce(x["hidden"], x["weight"], x["targets"]),), compiled=True),
+        Impl("torch eager", eager),
+        Impl("torch.compile", eager, compiled=True),
         Impl("liger", liger, peer="liger"),
         Impl("cce", cce, peer="cce"),
         Impl("cce exact", lambda x: cce(x, filter_eps=None), peer="cce"),
@@ -311,7 +314,8 @@ class _GemmFloor:
     logits = h @ W.T, grad_h = dlogits @ W, grad_W = dlogits.T @ h. Buffers are allocated by the
     first (warm-up) call, so that they count neither in the time nor in the extra memory."""
 
-    def __init__(self, n: int, h: int, v: int, device: torch.device, dtype: torch.dtype, gen: torch.Generator):
+    def __init__(self, n: int, h: int, v: int, device: torch.device, dtype: torch.dtype,
+                 gen: torch.Generator):
         self.shapes = {"logits": (n, v), "dlogits": (n, v), "grad_h": (n, h), "grad_w": (v, h)}
         self.device, self.dtype, self.gen = device, dtype, gen
         self.buffers: dict[str, torch.Tensor] = {}
@@ -319,7 +323,8 @@ class _GemmFloor:
     def __call__(self, x: dict[str, torch.Tensor]) -> tuple:
         if not self.buffers:
             self.buffers = {
-                name: torch.empty(shape, device=self.device, dtype=self.dtype) for name, shape in self.shapes.items()
+                name: torch.empty(shape, device=self.device, dtype=self.dtype)
+                for name, shape in self.shapes.items()
             }
             # Products of random data: zeros would run faster than real gradients do.
             self.buffers["dlogits"] = _randn(
@@ -352,8 +357,11 @@ def rms_norm_problem(dims: dict[str, int], device: torch.device, dtype: torch.dt
 
         return (liger_rms_norm(z["x"], z["weight"], RMS_EPS),)
 
+    def ours(z):
+        return (kernels.rms_norm(z["x"], z["weight"], RMS_EPS),)
+
     impls = [
-        Impl(f"{LIGERTUNE} ({kernels.active_path(device)})", lambda z: (kernels.rms_norm(z["x"], z["weight"], RMS_EPS),)),
+        Impl(f"{LIGERTUNE} ({kernels.active_path(device)})", ours),
         Impl("torch eager", lambda z: (_eager_rms_norm(z["x"], z["weight"]),)),
         Impl("torch.compile", lambda z: (_eager_rms_norm(z["x"], z["weight"]),), compiled=True),
         Impl("liger", liger, peer="liger"),
@@ -427,8 +435,11 @@ def rope_problem(dims: dict[str, int], device: torch.device, dtype: torch.dtype,
 
         return tuple(liger_rope(*heads_first(z)))
 
+    def ours(z):
+        return tuple(kernels.apply_rope(*heads_first(z)))
+
     impls = [
-        Impl(f"{LIGERTUNE} ({kernels.active_path(device)})", lambda z: tuple(kernels.apply_rope(*heads_first(z)))),
+        Impl(f"{LIGERTUNE} ({kernels.active_path(device)})", ours),
         Impl("torch eager", lambda z: _eager_rope(*heads_first(z))),
         Impl("torch.compile", lambda z: _eager_rope(*heads_first(z)), compiled=True),
         Impl("liger", liger, peer="liger"),
@@ -452,7 +463,9 @@ def _eager_rope(q, k, cos, sin):
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
-PROBLEMS = {"flce": flce_problem, "rms_norm": rms_norm_problem, "rope": rope_problem, "swiglu": swiglu_problem}
+PROBLEMS = {
+    "flce": flce_problem, "rms_norm": rms_norm_problem, "rope": rope_problem, "swiglu": swiglu_problem,
+}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -498,8 +511,10 @@ def path_note(device: torch.device) -> str | None:
     path = active_path(device)
     if path == "triton":
         interp = os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
-        how = "in the Triton interpreter (TRITON_INTERPRET=1)" if interp else "without TRITON_INTERPRET=1 (expect failures)"
-        return f"cpu: no GPU; ligertune runs its Triton kernels {how}, small shapes; timings say nothing of GPU speed"
+        how = ("in the Triton interpreter (TRITON_INTERPRET=1)" if interp
+               else "without TRITON_INTERPRET=1 (expect failures)")
+        return (f"cpu: no GPU; ligertune runs its Triton kernels {how}, small shapes; "
+                "timings say nothing of GPU speed")
     return ("cpu: no GPU; ligertune runs its pure-torch reference path (LIGERTUNE_KERNELS=triton with "
             "TRITON_INTERPRET=1 runs the Triton kernels in the interpreter), small shapes; timings say "
             "nothing of GPU speed")
@@ -578,8 +593,8 @@ def _run_problem(problem, label, peers, device, ref_dtype, repeats, warmup, use_
             # must reach neither the next row nor the comparison with the reference.
             work = _fresh_copy(problem)
             row.timing = measure(
-                _step(work, run, impl.manual), device=device, warmup=warmup, repeats=repeats, flush_l2=flush_l2,
-                before_each=lambda: _drop_grads(work),
+                _step(work, run, impl.manual), device=device, warmup=warmup, repeats=repeats,
+                flush_l2=flush_l2, before_each=lambda: _drop_grads(work),
             )
             del work
             if not impl.manual:
@@ -588,7 +603,7 @@ def _run_problem(problem, label, peers, device, ref_dtype, repeats, warmup, use_
                 row.errors = _errors(_fresh_copy(problem), run, references[impl.semantics])
         except Exception as err:  # one broken row must not hide the others
             row.status = "failed"
-            row.detail = _describe(err)
+            row.detail = describe_error(err)
             row.timing = None
         finally:
             if isinstance(impl.run, _GemmFloor):
@@ -649,7 +664,7 @@ def _drop_grads(problem: Problem) -> None:
         t.grad = None
 
 
-def _results(problem: Problem, run, inputs: dict[str, torch.Tensor], grad_outputs) -> tuple[torch.Tensor, ...]:
+def _results(run, inputs: dict[str, torch.Tensor], grad_outputs) -> tuple[torch.Tensor, ...]:
     """(outputs..., gradient of every leaf) of one forward + backward on `inputs`."""
     leaves = [t for t in inputs.values() if t.requires_grad]
     for t in leaves:  # a timed call before may have left its gradients, which backward would add to
@@ -667,17 +682,21 @@ def _results(problem: Problem, run, inputs: dict[str, torch.Tensor], grad_output
 
 
 def _reference_results(problem: Problem, semantics: str, ref_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    inputs = {
-        name: t.detach().to(ref_dtype).requires_grad_(t.requires_grad) if t.is_floating_point() and name != "token_weights"
-        else t
-        for name, t in problem.inputs.items()
-    }
-    grad_outputs = None if problem.grad_outputs is None else tuple(g.to(ref_dtype) for g in problem.grad_outputs)
-    return _results(problem, lambda x: problem.reference(x, semantics), inputs, grad_outputs)
+    def upcast(name: str, t: torch.Tensor) -> torch.Tensor:
+        # Token weights keep float32, as the kernels take them; integer targets stay integers.
+        if not t.is_floating_point() or name == "token_weights":
+            return t
+        return t.detach().to(ref_dtype).requires_grad_(t.requires_grad)
+
+    inputs = {name: upcast(name, t) for name, t in problem.inputs.items()}
+    grad_outputs = None
+    if problem.grad_outputs is not None:
+        grad_outputs = tuple(g.to(ref_dtype) for g in problem.grad_outputs)
+    return _results(lambda x: problem.reference(x, semantics), inputs, grad_outputs)
 
 
 def _errors(problem: Problem, run, reference: tuple[torch.Tensor, ...]) -> dict[str, float]:
-    got = _results(problem, run, problem.inputs, problem.grad_outputs)
+    got = _results(run, problem.inputs, problem.grad_outputs)
     return {name: relative_error(a, b) for name, a, b in zip(problem.output_names, got, reference)}
 
 
@@ -707,7 +726,8 @@ def relative_error(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 24) -> fl
     return math.sqrt(num / den)
 
 
-def _describe(err: BaseException) -> str:
+def describe_error(err: BaseException) -> str:
+    """One line for a row that failed: the exception's type and first line ("out of memory" for OOM)."""
     if isinstance(err, torch.cuda.OutOfMemoryError):
         return "out of memory"
     text = str(err).strip().splitlines()

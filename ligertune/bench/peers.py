@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 from dataclasses import dataclass
-from types import ModuleType
 
 PEERS = {"liger": ("liger-kernel", "liger_kernel"), "cce": ("cut-cross-entropy", "cut_cross_entropy")}
 """Peer key -> (distribution name, import name)."""
@@ -39,7 +38,8 @@ def find_peer(key: str) -> Peer:
         importlib.import_module(module_name)
     except ImportError as err:
         missing = isinstance(err, ModuleNotFoundError) and (err.name or "").split(".")[0] == module_name
-        reason = NOT_INSTALLED if missing else f"import failed: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+        first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
+        reason = NOT_INSTALLED if missing else f"import failed: {first_line}"
         return Peer(key, distribution, None, reason)
     except Exception as err:  # a peer whose import breaks (e.g. a Triton version it does not know)
         return Peer(key, distribution, None, f"import failed: {type(err).__name__}: {err}")
@@ -51,11 +51,6 @@ def package_version(distribution: str) -> str | None:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def import_peer(key: str) -> ModuleType:
-    """The peer's top-level module (call after `find_peer` said it is available)."""
-    return importlib.import_module(PEERS[key][1])
 
 
 def versions() -> dict[str, str | None]:

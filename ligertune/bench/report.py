@@ -168,8 +168,8 @@ def step_header(report) -> list[str]:
     lines = []
     if m:
         lines.append(
-            f"{m['type']}, {human_count(m['params'])} parameters ({m['layers']} layers, hidden {m['hidden_size']}, "
-            f"vocabulary {m['vocab_size']}), {report.dtype} on {report.device}"
+            f"{m['type']}, {human_count(m['params'])} parameters ({m['layers']} layers, "
+            f"hidden {m['hidden_size']}, vocabulary {m['vocab_size']}), {report.dtype} on {report.device}"
         )
     ckpt = ", gradient checkpointing" if report.gradient_checkpointing else ""
     lines.append(f"batch: {report.micro_batch_size} x {report.max_seq_len} tokens{ckpt}; "

@@ -49,7 +49,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ligertune.bench.peers import find_peer, versions
+from ligertune.bench.peers import NOT_INSTALLED, find_peer, versions
+from ligertune.bench.kernels import describe_error
 from ligertune.bench.timing import measure, synchronize
 from ligertune.errors import UserError
 from ligertune.recipe import Recipe
@@ -143,9 +144,13 @@ class StepReport:
 
 
 def run_step_bench(
-    recipe: Recipe, config: StepBenchConfig, *, recipe_name: str = "", log: Callable[[str], None] = lambda _: None
+    recipe: Recipe,
+    config: StepBenchConfig,
+    *,
+    recipe_name: str = "",
+    log: Callable[[str], None] = lambda _: None,
 ) -> StepReport:
-    """Measure the recipe's training step with ligertune, plain HF and HF + Liger, then packed vs padded chat."""
+    """Time the recipe's training step with ligertune, plain HF and HF + Liger, then packed vs padded chat."""
     import datetime
 
     from ligertune.bench.kernels import device_name
@@ -160,7 +165,9 @@ def run_step_bench(
     batch, seq_len = recipe.train.micro_batch_size, recipe.data.max_seq_len
     vocab_size = _tokenizer_vocab(recipe)
 
-    peak = config.peak_tflops or (_spec_peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None)
+    peak = config.peak_tflops
+    if peak is None and device.type == "cuda":
+        peak = _spec_peak_tflops(torch.cuda.get_device_name(device))
     matmul = None
     if device.type == "cuda" and config.measure_matmul:
         log("measuring a bf16 matmul for the achievable peak")
@@ -207,10 +214,12 @@ class _StepBench:
         self._guarded(HF, "synthetic", self._hf)
         peer = find_peer("liger")
         if not peer.available:
-            self.report.rows.append(StepRow(HF_LIGER, "synthetic", status="not installed" if peer.unavailable == "not installed"
-                                            else "failed", detail=peer.unavailable))
+            status = "not installed" if peer.unavailable == NOT_INSTALLED else "failed"
+            self.report.rows.append(StepRow(HF_LIGER, "synthetic", status=status, detail=peer.unavailable))
         elif self.device.type != "cuda":
-            self.report.rows.append(StepRow(HF_LIGER, "synthetic", status="skipped", detail="liger-kernel needs CUDA"))
+            self.report.rows.append(
+                StepRow(HF_LIGER, "synthetic", status="skipped", detail="liger-kernel needs CUDA")
+            )
         else:
             self._guarded(HF_LIGER, "synthetic", self._hf_liger)
 
@@ -221,9 +230,7 @@ class _StepBench:
         except UserError:
             raise
         except Exception as err:  # one broken variant must not hide the others
-            detail = "out of memory" if isinstance(err, torch.cuda.OutOfMemoryError) else (
-                f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"[:300])
-            self.report.rows.append(StepRow(name, layout, status="failed", detail=detail))
+            self.report.rows.append(StepRow(name, layout, status="failed", detail=describe_error(err)))
         finally:
             _release(self.device)
 
@@ -274,11 +281,13 @@ class _StepBench:
         model = self._model(self.recipe.model.attention)
         k, loss = self.recipe.kernels, self.recipe.loss
         patches = patch_model(model, rms_norm=k.rms_norm, rope=k.rope, swiglu=k.swiglu)
-        self.report.kernels = f"{patches.describe()}; fused loss: {'on' if k.fused_linear_cross_entropy else 'off'}"
+        fused = "on" if k.fused_linear_cross_entropy else "off"
+        self.report.kernels = f"{patches.describe()}; fused loss: {fused}"
         try:
             head = CausalLMLoss(
                 model, fused=k.fused_linear_cross_entropy, chunk_bytes=k.loss_chunk_mib * 2**20,
-                label_smoothing=loss.label_smoothing, z_loss_weight=loss.z_loss_weight, ignore_index=loss.ignore_index,
+                label_smoothing=loss.label_smoothing, z_loss_weight=loss.z_loss_weight,
+                ignore_index=loss.ignore_index,
             )
             optimizer, params = self._optimizer(model)
             ids = self._synthetic_ids()
@@ -334,7 +343,8 @@ class _StepBench:
         b, seq_len = self.recipe.train.micro_batch_size, self.recipe.data.max_seq_len
         ignore = self.recipe.loss.ignore_index
         examples = synthetic_conversations(
-            self.config.chat_micro_batches * b * seq_len, seq_len, self.report.model["vocab_size"], self.config.seed
+            self.config.chat_micro_batches * b * seq_len, seq_len, self.report.model["vocab_size"],
+            self.config.seed,
         )
         lengths = [len(e) for e in examples]
         packs = pack(examples, seq_len)
@@ -362,12 +372,14 @@ class _StepBench:
 
         n_real = sum(lengths)
         rows = []
-        for name, steps in ((PACKED, [packed_step(x) for x in packed]), (PADDED, [padded_step(x) for x in padded])):
+        layouts = ((PACKED, [packed_step(x) for x in packed]), (PADDED, [padded_step(x) for x in padded]))
+        for name, steps in layouts:
             self.log(f"step: {name} ({len(steps)} micro-batches, {n_real} real tokens)")
             try:
-                rows.append(self._time(name, "chat", steps, n_real, lengths, model, per_pass=True, clear=clear))
-            except Exception as err:
-                rows.append(StepRow(name, "chat", status="failed", detail=f"{type(err).__name__}: {err}"[:300]))
+                rows.append(self._time(name, "chat", steps, n_real, lengths, model, per_pass=True,
+                                       clear=clear))
+            except Exception as err:  # the other layout still runs
+                rows.append(StepRow(name, "chat", status="failed", detail=describe_error(err)))
             finally:
                 clear()
                 _release(self.device)

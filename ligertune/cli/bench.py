@@ -14,6 +14,7 @@ from ligertune.cli.options import RecipeArg, SetOpt
 app = typer.Typer(
     help="Measure ligertune's kernels and training step against torch, Liger-Kernel and Cut Cross-Entropy.",
     invoke_without_command=True,
+    add_completion=False,
     rich_markup_mode="rich",
 )
 
@@ -52,27 +53,34 @@ def kernels(
                                      metavar="FILE", show_default=False)
     ] = None,
     repeats: Annotated[
-        Optional[int], typer.Option("--repeats", "-n", min=1, help="Timed calls per row (default 10 on CUDA, 3 on CPU).",
-                                    show_default=False)
+        Optional[int],
+        typer.Option("--repeats", "-n", min=1, help="Timed calls per row (default 10 on CUDA, 3 on CPU).",
+                     show_default=False),
     ] = None,
     warmup: Annotated[
-        Optional[int], typer.Option("--warmup", min=0, help="Untimed calls first (default 2 on CUDA, 1 on CPU).",
-                                    show_default=False)
+        Optional[int],
+        typer.Option("--warmup", min=0, help="Untimed calls first (default 2 on CUDA, 1 on CPU).",
+                     show_default=False),
     ] = None,
     device: Annotated[str, typer.Option("--device", help="auto, cuda or cpu.")] = "auto",
     dtype: Annotated[
-        Optional[str], typer.Option("--dtype", help="bfloat16, float16 or float32 (default bf16 on CUDA, fp32 on CPU).",
-                                    show_default=False)
+        Optional[str],
+        typer.Option("--dtype", help="bfloat16, float16 or float32 (default bf16 on CUDA, fp32 on CPU).",
+                     show_default=False),
     ] = None,
     compile_: Annotated[
         Optional[bool], typer.Option("--compile/--no-compile", help="Also time torch.compile of the eager "
                                      "functions (default: on CUDA only).", show_default=False)
     ] = None,
-    flush_l2: Annotated[bool, typer.Option("--flush-l2", help="Evict the L2 cache before every timed call.")] = False,
+    flush_l2: Annotated[
+        bool, typer.Option("--flush-l2", help="Evict the L2 cache before every timed call.")
+    ] = False,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random inputs.")] = 0,
 ) -> None:
-    """Time each kernel forward + backward against torch eager, torch.compile and the peers, on the same
-    inputs, with its error against the float32 reference.
+    """Time each kernel, forward + backward, against torch and the peers on the same inputs.
+
+    Each row also gives its extra peak memory and its error against the float32 reference
+    (docs/bench.md says what every column means).
 
     Example: [bold]ligertune bench kernels -k flce --shapes flce:8192x4096x128256 --json bench.json[/]
     """
@@ -126,8 +134,10 @@ def step(
     ] = None,
     json_file: JsonFileOpt = None,
 ) -> None:
-    """Time one training step of the recipe's model on a synthetic batch (micro_batch_size x
-    max_seq_len tokens): ligertune kernels on, plain transformers, and transformers + Liger.
+    """Time training steps of the recipe's model: ligertune, plain transformers, transformers + Liger.
+
+    The batch is synthetic (micro_batch_size x max_seq_len tokens); then chat conversations of mixed
+    lengths run packed and padded (docs/bench.md says what every column means).
 
     Example: [bold]ligertune bench step recipes/bench/llama-3.2-1b.yaml --steps 10 --json step.json[/]
     """

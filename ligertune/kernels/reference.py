@@ -224,7 +224,7 @@ class _ReferenceFusedLinearCrossEntropy(torch.autograd.Function):
             ctx.options = options
         ctx.scalar = scalar
         n_correct = correct.sum()
-        n_tok = torch.tensor(n_tokens, dtype=torch.int64, device=hidden.device)
+        n_tok = torch.full((), n_tokens, dtype=torch.int64, device=hidden.device)
         ctx.mark_non_differentiable(z_loss, n_correct, n_tok)
         return loss, z_loss, n_correct, n_tok
 

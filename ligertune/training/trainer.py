@@ -21,7 +21,7 @@ import torch
 import transformers
 from rich.console import Console
 
-from ligertune.data import Batch, Pack, TokenizedExample, collate, pack, prepare_data, shuffled
+from ligertune.data import Batch, Pack, PaddedBatch, TokenizedExample, collate, collate_padded, pack, prepare_data, shuffled
 from ligertune.errors import UserError
 from ligertune.models import CausalLMLoss, build_model, load_tokenizer, patch_model, resolve_dtype
 from ligertune.recipe import LoraConfig, Recipe, dump_recipe
@@ -190,23 +190,40 @@ def micro_batches(packs: list[Pack], size: int, seed: int) -> Iterator[list[Pack
             yield order[i : i + size]
 
 
-def to_device(batch: Batch, device: torch.device) -> Batch:
-    return batch.to(device)
+def make_batch(run: Run, packs: list[Pack]) -> Batch | PaddedBatch:
+    """One micro-batch on the device: a flattened row for packed attention, else padded rows
+    (one conversation each: the recipe check refuses packing without packed attention)."""
+    if run.recipe.model.attention == "packed":
+        return collate(packs).to(run.device)
+    return collate_padded(packs, pad_token_id(run.tokenizer)).to(run.device)
+
+
+def pad_token_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def conversation_ids(batch: Batch | PaddedBatch) -> torch.Tensor:
+    """The conversation each token belongs to: `seq_ids` of a flattened row, the row of a padded one."""
+    if isinstance(batch, Batch):
+        return batch.seq_ids
+    rows, width = batch.input_ids.shape
+    return torch.arange(rows, device=batch.input_ids.device).repeat_interleave(width)
 
 
 def run_step(run: Run, batches: list[Batch], *, backward: bool) -> dict[str, torch.Tensor]:
     """Forward (and backward) over the micro-batches of one step with step-level weights."""
     loss_cfg = run.recipe.loss
     weights = step_token_weights(
-        [b.targets for b in batches], [b.seq_ids for b in batches], loss_cfg.normalization,
+        [b.targets for b in batches], [conversation_ids(b) for b in batches], loss_cfg.normalization,
         ignore_index=loss_cfg.ignore_index,
     )
     totals = {name: torch.zeros((), device=run.device) for name in ("loss", "z_loss", "n_correct", "n_tokens")}
     for batch, w in zip(batches, weights):
-        out = run.head(
-            batch.input_ids, batch.position_ids, batch.targets, w,
-            cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen,
-        )
+        if isinstance(batch, Batch):
+            boundaries = {"cu_seqlens": batch.cu_seqlens, "max_seqlen": batch.max_seqlen}
+        else:
+            boundaries = {"attention_mask": batch.attention_mask}
+        out = run.head(batch.input_ids, batch.position_ids, batch.targets, w, **boundaries)
         if backward:
             out.loss.backward()
         totals["loss"] += out.loss.detach().float()
@@ -221,8 +238,7 @@ def evaluate(run: Run) -> dict[str, float]:
     """Held-out cross-entropy (normalized like training, over the whole held-out set) and accuracy."""
     run.head.eval()
     size = run.recipe.train.micro_batch_size
-    batches = [to_device(collate(run.eval_packs[i : i + size]), run.device)
-               for i in range(0, len(run.eval_packs), size)]
+    batches = [make_batch(run, run.eval_packs[i : i + size]) for i in range(0, len(run.eval_packs), size)]
     totals = run_step(run, batches, backward=False)
     run.head.train()
     return {
@@ -255,14 +271,15 @@ def train_loop(run: Run) -> TrainResult:
             log_eval(0, progress)
         window_tokens, window_start = 0, time.perf_counter()
         for step in range(1, run.total_steps + 1):
-            batches = [to_device(collate(next(stream)), run.device) for _ in range(cfg.grad_accum_steps)]
+            batches = [make_batch(run, next(stream)) for _ in range(cfg.grad_accum_steps)]
             totals = run_step(run, batches, backward=True)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
             lr = run.scheduler.get_last_lr()[0]
             run.optimizer.step()
             run.scheduler.step()
             run.optimizer.zero_grad(set_to_none=True)
-            window_tokens += sum(b.input_ids.numel() for b in batches)
+            window_tokens += int(sum(b.targets.numel() if isinstance(b, Batch) else b.attention_mask.sum()
+                                     for b in batches))
 
             record = None
             if step % cfg.log_every == 0 or step == run.total_steps:
@@ -325,7 +342,7 @@ def greedy_sample(run: Run) -> tuple[str, str, str]:
         max_new_tokens=end - start + 16,
         do_sample=False,
         eos_token_id=run.tokenizer.eos_token_id,
-        pad_token_id=run.tokenizer.pad_token_id or run.tokenizer.eos_token_id,
+        pad_token_id=pad_token_id(run.tokenizer),
     )
     model.train()
     answer = run.tokenizer.decode(output[0, len(prompt_ids):], skip_special_tokens=True)

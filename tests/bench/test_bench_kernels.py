@@ -21,8 +21,8 @@ TINY = ["--shapes", "flce:37x24x301", "--shapes", "rms_norm:19x40", "--shapes", 
         "--shapes", "swiglu:19x33"]
 ROW_KEYS = {"kernel", "shape", "dims", "impl", "status", "detail", "median_ms", "min_ms", "max_ms", "repeats",
             "extra_peak_mib", "tflops", "gbps", "vs_ligertune", "errors"}
-REPORT_KEYS = {"device", "device_type", "kernel_path", "dtype", "reference_dtype", "repeats", "warmup", "note",
-               "versions", "date", "rows"}
+REPORT_KEYS = {"device", "device_type", "kernel_path", "dtype", "reference_dtype", "repeats", "warmup",
+               "note", "versions", "date", "rows"}
 
 
 def _invoke(args):
@@ -59,7 +59,8 @@ def test_json_holds_every_number_with_its_context(report):
     assert data["date"][:2] == "20"
     assert all(set(row) == ROW_KEYS for row in data["rows"])
     assert {row["kernel"] for row in data["rows"]} == {"flce", "rms_norm", "rope", "swiglu"}
-    assert {row["shape"] for row in data["rows"]} == {"N37-H24-V301", "T19-H40", "B2-L9-Hq4-Hk2-D8", "T19-I33"}
+    shapes = {row["shape"] for row in data["rows"]}
+    assert shapes == {"N37-H24-V301", "T19-H40", "B2-L9-Hq4-Hk2-D8", "T19-I33"}
 
 
 def test_measured_rows_carry_time_rate_speedup_and_small_errors(report):
@@ -158,9 +159,10 @@ def test_a_row_that_writes_into_its_inputs_does_not_spoil_the_next():
         x["up"].data.add_(1.0)
         return honest.run(x)
 
-    problem.impls = [Impl("ligertune (reference)", honest.run), Impl("vandal", vandal), Impl("honest", honest.run)]
-    rows = bench_kernels._run_problem(problem, "T11-I23", {}, torch.device("cpu"), torch.float64,
-                                      repeats=2, warmup=1, use_compile=False, flush_l2=False, log=lambda _: None)
+    problem.impls = [Impl("ligertune (reference)", honest.run), Impl("vandal", vandal),
+                     Impl("honest", honest.run)]
+    rows = bench_kernels._run_problem(problem, "T11-I23", {}, torch.device("cpu"), torch.float64, repeats=2,
+                                      warmup=1, use_compile=False, flush_l2=False, log=lambda _: None)
     errors = {row.impl: max(row.errors.values()) for row in rows}
     assert errors["vandal"] > 0.1
     assert errors["honest"] < 1e-6

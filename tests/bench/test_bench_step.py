@@ -38,8 +38,8 @@ train:
 @pytest.fixture
 def recipe_file(tmp_path):
     (tmp_path / "chat.jsonl").write_text(
-        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
-        + "\n"
+        json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                 {"role": "assistant", "content": "hello"}]}) + "\n"
     )
     path = tmp_path / "tiny.yaml"
     path.write_text(RECIPE)
@@ -48,14 +48,16 @@ def recipe_file(tmp_path):
 
 def test_bench_step_runs_one_step_of_each_variant(recipe_file, tmp_path, no_peers):
     out = tmp_path / "step.json"
-    result = CliRunner().invoke(app, ["step", str(recipe_file), "--steps", "1", "--warmup", "0", "--json", str(out)])
+    args = ["step", str(recipe_file), "--steps", "1", "--warmup", "0", "--json", str(out)]
+    result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output + repr(result.exception)
     data = json.loads(out.read_text())
     assert data["device_type"] == "cpu" and data["micro_batch_size"] == 2 and data["max_seq_len"] == 48
     assert data["model"]["type"] == "LlamaForCausalLM" and data["model"]["vocab_size"] == 311
     assert "rms_norm" in data["kernels"] and "fused loss: on" in data["kernels"]
     rows = {row["name"]: row for row in data["rows"]}
-    assert list(rows) == ["ligertune", "HF (sdpa)", "HF + Liger", "ligertune, packed chat", "ligertune, padded chat"]
+    assert list(rows) == ["ligertune", "HF (sdpa)", "HF + Liger",
+                          "ligertune, packed chat", "ligertune, padded chat"]
     for name in ("ligertune", "HF (sdpa)"):
         assert rows[name]["status"] == "ok", rows[name]
         assert rows[name]["tokens"] == 2 * 48 and rows[name]["steps"] == 1

@@ -12,12 +12,16 @@ so the data is a set of small word and number games with exactly one right answe
 
 Every conversation has 2-4 assistant turns. About a third carry a system prompt, and one of the
 system prompts ("Answer in capital letters.") changes every answer, so the model must read it.
-The last kind of question asks for the word of the first turn, which only attention over earlier
-turns can answer.
+The memory question asks for the word of the first turn, which only attention over earlier turns
+can answer.
 
-The tokenizer is byte-level with no merges (256 byte tokens + 3 special tokens): every character
-is one token, so "reverse" and "sort" are operations on tokens the model can see, not on the
-hidden spelling of multi-character pieces. The chat template is ChatML:
+The tokenizer has one token per byte (so every letter of a word in play is its own token:
+"reverse" and "sort" act on tokens the model can see, not on the hidden spelling of
+multi-character pieces), plus one token per fixed word of the chat template and the instructions
+("assistant", "reverse", "letters", ...), plus the three special tokens. The fixed words would
+otherwise cost about half of every sequence and give the model nothing to learn: with them, a
+conversation is about 80 tokens instead of 155, and training reaches the answers twice as fast.
+The chat template is ChatML:
 
     <|im_start|>{role}\\n{content}<|im_end|>\\n
 
@@ -35,13 +39,14 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 SEED = 1234
-N_TRAIN = 4000
+N_TRAIN = 5000
 N_EVAL = 160
 
 # Short, common words; none of them appears in the instructions, so a word in the payload is
@@ -185,17 +190,46 @@ CHAT_TEMPLATE = (
     "{%- endif %}"
 )
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+ROLES = ("system", "user", "assistant")
 
 
-def build_tokenizer(model_max_length: int = 1024):
-    """A byte-level tokenizer without merges: ids 0-255 are bytes, then the three special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def fixed_words(conversations: list[dict]) -> list[str]:
+    """Every word of two or more letters in the roles and prompts that is not a payload word."""
+    payload = set(WORDS)
+    words = set(ROLES)
+    for conversation in conversations:
+        for message in conversation["messages"]:
+            if message["role"] != "assistant":
+                words.update(w for w in re.findall(r"[A-Za-z]{2,}", message["content"]) if w not in payload)
+    # A payload word that is also a fixed word would be one token in some places and letters in
+    # others.
+    assert not payload & words, payload & words
+    return sorted(words)
+
+
+def build_tokenizer(words: list[str], model_max_length: int = 512):
+    """Ids 0-255 are the bytes, then one id per word of `words`, then the special tokens.
+
+    The pre-tokenizer cuts the text into whole fixed words (at word boundaries, so "the" in
+    "theme" stays letters) and single characters; the byte-level step maps each piece to the
+    printable stand-ins of its bytes. The BPE model has no merges and looks a piece up whole
+    (`ignore_merges`): a fixed word is one token, anything else one token per byte, so any text
+    round-trips.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     byte_chars = _byte_alphabet()
     assert set(byte_chars) == set(pre_tokenizers.ByteLevel.alphabet())
-    backend = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(byte_chars)}, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    vocab = {c: i for i, c in enumerate(byte_chars)}
+    vocab.update({w: len(byte_chars) + i for i, w in enumerate(words)})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], ignore_merges=True))
+    # Longest first, so that a word is never cut short by one of its prefixes.
+    alternatives = "|".join(re.escape(w) for w in sorted(words, key=lambda w: (-len(w), w)))
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(rf"\b(?:{alternatives})\b|[\s\S]"), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens(list(SPECIAL_TOKENS))
     return PreTrainedTokenizerFast(
@@ -238,7 +272,7 @@ def write_all(out: Path) -> None:
     write_jsonl(out / "eval.jsonl", held_out)
     # The chat template goes inside tokenizer_config.json (not a separate .jinja file) so the
     # bundled recipe data is only .json/.jsonl files.
-    build_tokenizer().save_pretrained(out / "tokenizer", save_jinja_files=False)
+    build_tokenizer(fixed_words(train + held_out)).save_pretrained(out / "tokenizer", save_jinja_files=False)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -151,11 +151,24 @@ def test_tokenizer_special_tokens_are_single_ids():
     tok = tokenizer()
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
     ids = [tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS]
-    assert len(set(ids)) == 3 and all(i >= 256 for i in ids)
+    assert ids == [len(tok) - 3, len(tok) - 2, len(tok) - 1]
     assert tok.eos_token_id == ids[2] and tok.pad_token_id == ids[0]
     for token, token_id in zip(SPECIAL_TOKENS, ids):
         assert tok.encode(f"a{token}b", add_special_tokens=False) == [ord("a"), token_id, ord("b")]
-    assert len(tok) == 259
+    assert 256 < len(tok) <= 512
+
+
+@pytest.mark.parametrize("text, pieces", [
+    pytest.param("assistant", ["assistant"], id="role"),
+    pytest.param("reverse tree", ["reverse", " ", "t", "r", "e", "e"], id="payload-is-letters"),
+    pytest.param("the theme", ["the", " ", "t", "h", "e", "m", "e"], id="word-boundary"),
+    pytest.param("letters letter", ["letters", " ", "letter"], id="longest-word"),
+    pytest.param("What", ["W", "h", "a", "t"], id="case-sensitive"),
+    pytest.param("sort 305", ["sort", " ", "3", "0", "5"], id="digits"),
+])
+def test_fixed_words_are_one_token_and_everything_else_one_per_byte(text: str, pieces: list[str]):
+    tok = tokenizer()
+    assert [tok.decode([i]) for i in tok.encode(text, add_special_tokens=False)] == pieces
 
 
 def test_chat_template_renders_chatml_with_generation_prompt():
@@ -224,8 +237,9 @@ def test_quickstart_recipe_points_at_the_bundled_files():
     assert Path(recipe.model.tokenizer) == BUNDLE / "tokenizer"
     assert Path(recipe.data.path) == BUNDLE / "train.jsonl"
     assert Path(recipe.data.eval_path) == BUNDLE / "eval.jsonl"
+    tok = tokenizer()
     longest = max(
-        len(tokenizer().apply_chat_template(list(m), tokenize=False).encode())
+        len(tok.encode(tok.apply_chat_template(list(m), tokenize=False), add_special_tokens=False))
         for name in ("train.jsonl", "eval.jsonl")
         for m in conversations(name)
     )

@@ -371,18 +371,21 @@ def recipe_from_dict(raw: dict, source: str | None = None) -> Recipe:
     """Build a `Recipe` from plain data, collecting every problem with its key path."""
     problems: list[str] = []
     recipe = _build(Recipe, raw, "", problems)
-    if not problems:
-        problems.extend(_check_all(recipe, ""))
+    if recipe is not None:
+        # Value checks run on every section whose fields all converted (the others hold None).
+        broken = {p.split(":", 1)[0] for p in problems}
+        problems.extend(_check_all(recipe, "", broken))
     if problems:
         raise RecipeError(problems, source)
     return recipe
 
 
-def _check_all(obj: Any, prefix: str) -> list[str]:
-    """Run every section's `check()` and prefix its keys."""
+def _check_all(obj: Any, prefix: str, broken: set[str]) -> list[str]:
+    """Run every section's `check()` and prefix its keys; skip sections with a key in `broken`."""
     problems = []
     if dataclasses.is_dataclass(obj):
-        if hasattr(obj, "check"):
+        if hasattr(obj, "check") and not any(k == prefix or k.startswith(f"{prefix}.") or not prefix
+                                              for k in broken):
             for key, message in obj.check():
                 path = ".".join(p for p in (prefix, key) if p)
                 problems.append(f"{path}: {message}" if path else message)
@@ -391,9 +394,9 @@ def _check_all(obj: Any, prefix: str) -> list[str]:
             child = f"{prefix}.{f.name}" if prefix else f.name
             if isinstance(value, list):
                 for i, item in enumerate(value):
-                    problems.extend(_check_all(item, f"{child}[{i}]"))
+                    problems.extend(_check_all(item, f"{child}[{i}]", broken))
             else:
-                problems.extend(_check_all(value, child))
+                problems.extend(_check_all(value, child, broken))
     return problems
 
 

@@ -13,6 +13,7 @@ from ligertune.errors import UserError
 
 
 def debug_enabled() -> bool:
+    """LIGERTUNE_DEBUG=1 in the environment (`--debug` sets it for the process it starts)."""
     return os.environ.get("LIGERTUNE_DEBUG", "").strip().lower() not in ("", "0", "false")
 
 

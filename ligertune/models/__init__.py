@@ -21,6 +21,7 @@ from ligertune.models.loading import (
     attn_implementation,
     build_config,
     build_model,
+    check_model,
     load_tokenizer,
     resolve_dtype,
 )

@@ -68,7 +68,7 @@ def summary_table(rows: list[tuple[str, str]], title: str = "run summary") -> Ta
 
 def sample_table(prompt: str, reference: str, answer: str) -> Table:
     table = Table(title="held-out conversation: greedy answer", title_justify="left", show_lines=True)
-    table.add_column("prompt (last turn)", overflow="fold")
+    table.add_column("conversation so far (end)", overflow="fold")
     table.add_column("reference", overflow="fold")
     table.add_column("model", overflow="fold")
     answer_style = "green" if answer.strip() == reference.strip() else "yellow"

@@ -86,11 +86,10 @@ def test_missing_tokenizer_names_the_path(tmp_path: Path):
 
 
 def test_debug_shows_the_traceback(tmp_path: Path, monkeypatch):
-    monkeypatch.delenv("LIGERTUNE_DEBUG", raising=False)
+    monkeypatch.setenv("LIGERTUNE_DEBUG", "0")  # restored after the test: --debug sets it for the process
     result = invoke("--debug", "validate", tmp_path / "absent.yaml")
     assert result.exit_code != 0
     assert type(result.exception).__name__ == "RecipeError"
-    monkeypatch.delenv("LIGERTUNE_DEBUG", raising=False)
 
 
 def test_recipes_ls_show_cp(tmp_path: Path):

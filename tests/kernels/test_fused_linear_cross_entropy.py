@@ -1,12 +1,14 @@
 """Fused linear cross-entropy: both paths against the plain formula in float64, values and gradients.
 
-The Triton path runs under TRITON_INTERPRET=1 (see conftest.py), so the shapes stay small; they are
-odd on purpose, and one vocabulary (9001) spans two column blocks of the kernel.
+The Triton path runs under TRITON_INTERPRET=1 on the CPU (see conftest.py), so the shapes stay
+small; they are odd on purpose, and one vocabulary (9001) spans two column blocks of the kernel.
+With TRITON_INTERPRET=0 on a GPU machine the same tests run on CUDA with the compiled kernels.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from ligertune.kernels import fused_linear_cross_entropy
 from ligertune.kernels.cross_entropy import _chunk_rows
 
 IGNORE = -100
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 
 SHAPES = [
     pytest.param(37, 123, 1001, id="N37-H123-V1001"),
@@ -96,7 +99,7 @@ def make_inputs(n, h, v, dtype, *, ignore=True, bias=False, weights=False, seed=
         targets[torch.arange(n) % 3 == 0] = IGNORE
     if weights:
         inputs["token_weights"] = torch.rand(n, generator=gen) * 2
-    return inputs
+    return {k: t.to(DEVICE) for k, t in inputs.items()}
 
 
 def run_both(inputs, options, grad_out, chunk_bytes=None):
@@ -123,7 +126,7 @@ def test_matches_float64_definition(kernel_path, n, h, v, dtype, tol, grad_tol, 
     case = dict(case)
     inputs = make_inputs(n, h, v, dtype, ignore=case.pop("ignore", True), bias=case.pop("bias", False),
                          weights=case.pop("weights", False), seed=n * v)
-    grad_out = torch.randn(n) if case["reduction"] == "none" else torch.tensor(1.7)
+    grad_out = (torch.randn(n) if case["reduction"] == "none" else torch.tensor(1.7)).to(DEVICE)
     # A budget of a few rows: several chunks on both paths.
     out, (loss, z_part, n_correct, n_tokens), grads = run_both(inputs, case, grad_out, chunk_bytes=7 * 16 * v)
 
@@ -159,7 +162,7 @@ def test_chunk_budget_does_not_change_the_result(kernel_path, dtype):
     results = []
     for chunk_bytes in (1, 5 * 16 * 300, None):  # one row per chunk, a few rows, everything at once
         options = dict(reduction="sum", **KERNEL_OPTIONS)
-        out, _, grads = run_both(inputs, options, torch.tensor(1.0), chunk_bytes)
+        out, _, grads = run_both(inputs, options, torch.tensor(1.0, device=DEVICE), chunk_bytes)
         results.append((out.loss, {k: g for k, (g, _) in grads.items()}))
     (loss0, grads0) = results[0]
     for loss, grads in results[1:]:
@@ -178,7 +181,7 @@ def test_argmax_ties_go_to_the_lowest_index(kernel_path):
     weight[[20, 30], 2] = 5.0  # tied maxima inside one block
     hidden = torch.tensor([[0.0, 1.0, 0.0, 0.0]] * 3 + [[0.0, 0.0, 1.0, 0.0]] * 2 + [[1.0, 0.0, 0.0, 0.0]])
     targets = torch.tensor([7, 8500, 8600, 20, 30, 2])  # the last row: logits 0,1,2,0,1,2...; first max at 2
-    out = fused_linear_cross_entropy(hidden, weight, targets)
+    out = fused_linear_cross_entropy(hidden.to(DEVICE), weight.to(DEVICE), targets.to(DEVICE))
     assert out.n_correct.item() == 3  # rows 0, 3 and 5
 
 
@@ -211,7 +214,7 @@ def test_one_backward_per_scalar_forward(kernel_path):
 def test_autocast_runs_in_the_autocast_dtype(kernel_path):
     inputs = make_inputs(7, 32, 150, torch.float32, bias=True)
     hidden, weight = inputs["hidden"].requires_grad_(), inputs["weight"].requires_grad_()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
         out = fused_linear_cross_entropy(**inputs)
     out.loss.backward()
     want, *_ = plain_flce(**{k: t.to(torch.bfloat16).double() if t.is_floating_point() else t
@@ -234,6 +237,7 @@ def test_autocast_runs_in_the_autocast_dtype(kernel_path):
 def test_rejects_bad_arguments(kernel_path, change, message):
     args = dict(hidden=torch.randn(3, 8), weight=torch.randn(33, 8), targets=torch.tensor([0, 1, IGNORE]))
     args.update(change)
+    args = {k: t.to(DEVICE) if isinstance(t, torch.Tensor) else t for k, t in args.items()}
     with pytest.raises(ValueError, match=message):
         fused_linear_cross_entropy(**args)
 

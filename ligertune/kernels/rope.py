@@ -8,8 +8,8 @@ With x = [x1, x2] split in halves of the head dimension and cos = [c1, c2], sin 
 
 The backward is the transposed rotation, i.e. the forward with sin' = [-s2, -s1]; one kernel does
 both. Each product is rounded to the tensor dtype before the sum, as the eager expression
-`q * cos + rotate_half(q) * sin` (and its autograd) rounds, so in 16-bit dtypes on a GPU the result
-matches it to the bit. One program takes a block of tokens (one token for models with many heads): it loads their
+`q * cos + rotate_half(q) * sin` (and its autograd) rounds, so in 16-bit dtypes the result agrees
+with it to rounding. One program takes a block of tokens (one token for models with many heads): it loads their
 cos/sin once and rotates every head of q and of k, which in the [B, L, H, D] memory layout that
 `transformers` produces are contiguous.
 """
@@ -33,12 +33,12 @@ def _rope_rotate_heads(
     o_ptr,
     tok_off,
     tok_mask,
-    n_heads,
     stride_h,
     b_c1,
     b_c2,
     b_s1,
     b_s2,
+    N_HEADS: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -50,9 +50,10 @@ def _rope_rotate_heads(
     """
     dtype = o_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK_HALF)
-    for h0 in range(0, n_heads, BLOCK_HEADS):
+    # The head count is a compile-time constant (fixed per model): the loop bounds are then static.
+    for h0 in range(0, N_HEADS, BLOCK_HEADS):
         heads = h0 + tl.arange(0, BLOCK_HEADS)
-        mask = tok_mask[:, None, None] & (heads < n_heads)[None, :, None] & (cols < HALF)[None, None, :]
+        mask = tok_mask[:, None, None] & (heads < N_HEADS)[None, :, None] & (cols < HALF)[None, None, :]
         offs = tok_off[:, None, None] + heads[None, :, None] * stride_h + cols[None, None, :]
         b_x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         b_x2 = tl.load(x_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
@@ -72,8 +73,6 @@ def _rope_kernel(
     sin_ptr,
     n_tokens,
     seq_len,
-    n_q_heads,
-    n_k_heads,
     stride_qb,
     stride_qh,
     stride_ql,
@@ -82,6 +81,8 @@ def _rope_kernel(
     stride_kl,
     stride_cb,
     stride_cl,
+    N_Q_HEADS: tl.constexpr,
+    N_K_HEADS: tl.constexpr,
     BACKWARD: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -109,10 +110,10 @@ def _rope_kernel(
     q_off = b * stride_qb + pos * stride_ql
     k_off = b * stride_kb + pos * stride_kl
     _rope_rotate_heads(
-        q_ptr, qo_ptr, q_off, tok_mask, n_q_heads, stride_qh, b_c1, b_c2, b_s1, b_s2, HALF, BLOCK_QH, BLOCK_HALF
+        q_ptr, qo_ptr, q_off, tok_mask, stride_qh, b_c1, b_c2, b_s1, b_s2, N_Q_HEADS, HALF, BLOCK_QH, BLOCK_HALF
     )
     _rope_rotate_heads(
-        k_ptr, ko_ptr, k_off, tok_mask, n_k_heads, stride_kh, b_c1, b_c2, b_s1, b_s2, HALF, BLOCK_KH, BLOCK_HALF
+        k_ptr, ko_ptr, k_off, tok_mask, stride_kh, b_c1, b_c2, b_s1, b_s2, N_K_HEADS, HALF, BLOCK_KH, BLOCK_HALF
     )
 
 
@@ -151,12 +152,12 @@ def _launch(
     num_warps = 4 if block_t * block_qh * block_half <= 1024 else 8
     _rope_kernel[(triton.cdiv(n_tokens, block_t),)](
         q, k, q_out, k_out, cos, sin,
-        n_tokens, seq_len, n_q_heads, n_k_heads,
+        n_tokens, seq_len,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         # A [1, L, D] cos/sin is shared by the whole batch.
         0 if cos.shape[0] == 1 else cos.stride(0), cos.stride(1),
-        BACKWARD=backward, HALF=half, BLOCK_T=block_t, BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_HALF=block_half,
+        N_Q_HEADS=n_q_heads, N_K_HEADS=n_k_heads, BACKWARD=backward, HALF=half, BLOCK_T=block_t, BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_HALF=block_half,
         num_warps=num_warps,
     )
     return q_out, k_out

@@ -576,13 +576,10 @@ def type_label(tp: Any) -> str:
 
 
 def bundled_recipes_dir() -> Path:
-    """The `recipes/` folder: next to the package in a source checkout, else installed package data."""
-    checkout = Path(__file__).resolve().parent.parent / "recipes"
-    if checkout.is_dir():
-        return checkout
-    import importlib.resources
-
-    return Path(str(importlib.resources.files("ligertune.bundled_recipes")))
+    """The `recipes/` folder of a source checkout, else its installed copy `ligertune/bundled_recipes/`."""
+    package = Path(__file__).resolve().parent
+    checkout = package.parent / "recipes"
+    return checkout if checkout.is_dir() else package / "bundled_recipes"
 
 
 def bundled_recipes() -> dict[str, Path]:

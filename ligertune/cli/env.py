@@ -33,6 +33,9 @@ def environment() -> dict[str, str]:
         info["kernel path"] = active_path()
     except ValueError as err:
         info["kernel path"] = f"invalid: {err}"
+    from ligertune.models import PATCH_TABLE
+
+    info["patched model types"] = ", ".join(sorted(PATCH_TABLE))
     return info
 
 

@@ -10,7 +10,9 @@ from rich.text import Text
 
 
 def format_metrics(record: dict) -> str:
-    parts = [f"loss {record['loss']:.4f}"]
+    parts = [f"loss {record['loss']:.4f}", f"acc {record['token_accuracy']:.1%}"]
+    if record.get("z_loss"):
+        parts.append(f"z {record['z_loss']:.2e}")
     if "eval_loss" in record:
         parts.append(f"eval {record['eval_loss']:.4f}")
     parts.append(f"lr {record['lr']:.2e}")

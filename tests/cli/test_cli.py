@@ -111,6 +111,7 @@ def test_env_reports_versions_and_kernel_path(monkeypatch):
     info = json.loads(result.output)
     assert info["kernel path"] == "reference"
     assert info["torch"] and info["device"].startswith(("cpu", "cuda"))
+    assert "llama" in info["patched model types"].split(", ")
 
 
 @pytest.mark.parametrize("name", sorted(bundled_recipes()))

@@ -105,3 +105,15 @@ def test_one_micro_batch_of_eight_equals_eight_of_one(tmp_path: Path, mode: str)
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
     assert a["z_loss"] == pytest.approx(b["z_loss"], rel=1e-5)
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+def test_same_seed_same_run(tmp_path: Path):
+    path = write_recipe(tmp_path)
+    first = run(path, "train.max_steps=2", f"output.dir={tmp_path / 'a'}")[0]
+    second = run(path, "train.max_steps=2", f"output.dir={tmp_path / 'b'}")[0]
+    strip = ("tokens_per_s", "peak_mem_gib")
+    a, b = ([{k: v for k, v in r.items() if k not in strip}
+             for r in read_metrics(Path(s.recipe.output.dir) / "metrics.jsonl")] for s in (first, second))
+    assert a == b
+    for p, q in zip(first.model.parameters(), second.model.parameters()):
+        assert torch.equal(p, q)

@@ -129,8 +129,10 @@ def test_pack_equals_its_conversations(triton_path, dtype):
     for n in lengths:
         cos_1, sin_1 = rotary(d, torch.arange(n)[None], dtype)
         q_1, k_1 = K.apply_rope(q[:, :, start : start + n], k[:, :, start : start + n], cos_1, sin_1)
-        assert torch.equal(q_pack[:, :, start : start + n], q_1)
-        assert torch.equal(k_pack[:, :, start : start + n], k_1)
+        # Not always equal to the bit on a GPU: the two launches compile for different block sizes.
+        # A position taken from the wrong token would differ by far more than rounding.
+        torch.testing.assert_close(q_pack[:, :, start : start + n], q_1)
+        torch.testing.assert_close(k_pack[:, :, start : start + n], k_1)
         start += n
 
 

@@ -30,7 +30,6 @@ The whole run takes under 3 minutes on an H100 (140 s measured), `--quick` about
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -581,7 +580,9 @@ def main() -> int:
         seconds = time.perf_counter() - start
         results[name] = {"status": status, "seconds": round(seconds, 1), **result}
         say(f"== {name}: {status} in {seconds:.0f}s")
-        (args.out / "gpu_check.json").write_text(json.dumps(_finite(results), indent=2) + "\n")
+        from ligertune.bench.report import write_json
+
+        write_json(args.out / "gpu_check.json", results)
 
     say("")
     say(f"summary ({time.perf_counter() - start_all:.0f}s):")
@@ -610,16 +611,6 @@ def _free_cuda() -> None:
             torch.cuda.empty_cache()
     except Exception:  # freeing memory between stages must not mask the stage's own result
         pass
-
-
-def _finite(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
 
 
 if __name__ == "__main__":

@@ -21,7 +21,17 @@ import torch
 import transformers
 from rich.console import Console
 
-from ligertune.data import Batch, Pack, PaddedBatch, TokenizedExample, collate, collate_padded, pack, prepare_data, shuffled
+from ligertune.data import (
+    Batch,
+    Pack,
+    PaddedBatch,
+    TokenizedExample,
+    collate,
+    collate_padded,
+    pack,
+    prepare_data,
+    shuffled,
+)
 from ligertune.errors import UserError
 from ligertune.models import CausalLMLoss, build_model, load_tokenizer, patch_model, resolve_dtype
 from ligertune.recipe import LoraConfig, Recipe, dump_recipe
@@ -323,14 +333,17 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 @torch.no_grad()
-def greedy_sample(run: Run) -> tuple[str, str, str]:
-    """The first held-out conversation's last trained turn: (prompt's last turn, reference, model answer)."""
+def greedy_sample(run: Run, tail_chars: int = 300) -> tuple[str, str, str]:
+    """The first held-out conversation's last trained turn, answered greedily by the model.
+
+    Returns (the end of the rendered conversation before that turn, the reference turn, the answer).
+    """
     example = run.eval_examples[0]
-    trained = [i for i, label in enumerate(example.labels) if label != -100]
-    start = trained[-1]
-    while start - 1 in trained:
+    labels = example.labels
+    end = max(i for i, label in enumerate(labels) if label != -100) + 1
+    start = end - 1
+    while start > 0 and labels[start - 1] != -100:
         start -= 1
-    end = trained[-1] + 1
     prompt_ids = example.input_ids[:start]
     reference = run.tokenizer.decode(example.input_ids[start:end], skip_special_tokens=True)
     model = run.head.model
@@ -346,14 +359,8 @@ def greedy_sample(run: Run) -> tuple[str, str, str]:
     )
     model.train()
     answer = run.tokenizer.decode(output[0, len(prompt_ids):], skip_special_tokens=True)
-    last_turn = last_user_turn(run.tokenizer.decode(prompt_ids, skip_special_tokens=False))
-    return last_turn, reference, answer
-
-
-def last_user_turn(rendered: str, limit: int = 300) -> str:
-    """The tail of a rendered prompt, enough to show what was asked."""
-    rendered = rendered.rstrip()
-    return rendered[-limit:]
+    prompt = run.tokenizer.decode(prompt_ids, skip_special_tokens=False).rstrip()
+    return prompt[-tail_chars:], reference, answer
 
 
 def show_summary(run: Run, result: TrainResult) -> None:

@@ -213,7 +213,8 @@ def test_one_backward_per_scalar_forward(kernel_path):
 
 def test_autocast_runs_in_the_autocast_dtype(kernel_path):
     inputs = make_inputs(7, 32, 150, torch.float32, bias=True)
-    hidden, weight = inputs["hidden"].requires_grad_(), inputs["weight"].requires_grad_()
+    inputs["hidden"].requires_grad_()
+    weight = inputs["weight"].requires_grad_()
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
         out = fused_linear_cross_entropy(**inputs)
     out.loss.backward()

@@ -19,10 +19,9 @@ Stages, each timed and isolated (a failing stage prints its traceback and the ne
 
 Written under OUT_DIR: gpu_check.json (every number and each stage's status), gpu_check.log (all
 that is printed), bench_kernels.json, bench_kernels.png (when matplotlib imports), bench_step.json.
-The peers are optional; to measure against them, install their wheels first, e.g.
+The peers are optional; to measure against them, install them first:
 
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site
+    pip install liger-kernel cut-cross-entropy
 
 The whole run takes under 3 minutes on an H100 (140 s measured), `--quick` about one.
 """

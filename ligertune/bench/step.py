@@ -54,6 +54,7 @@ from ligertune.bench.kernels import describe_error
 from ligertune.bench.timing import measure, synchronize
 from ligertune.errors import UserError
 from ligertune.recipe import Recipe
+from ligertune.training.trainer import resolve_device
 
 PEAK_BF16_TFLOPS = (
     # (substring of the device name, dense bf16 TFLOP/s from the data sheet); first match wins.
@@ -158,7 +159,7 @@ def run_step_bench(
 
     if config.steps < 1 or config.warmup < 0:
         raise UserError("--steps must be >= 1 and --warmup >= 0")
-    device = _resolve_device(recipe.train.device)
+    device = resolve_device(recipe.train.device)
     dtype = resolve_dtype(recipe.model.dtype, device)
     if recipe.train.num_threads:
         torch.set_num_threads(recipe.train.num_threads)
@@ -522,14 +523,6 @@ def matmul_tflops(device: torch.device, n: int = 8192) -> float:
 
 # --------------------------------------------------------------------------------------------------
 # Helpers
-
-
-def _resolve_device(name: str) -> torch.device:
-    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise UserError("train.device: cuda was asked for but no CUDA device is available")
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _tokenizer_vocab(recipe: Recipe) -> int | None:

@@ -42,7 +42,6 @@ def main() -> None:
         sys.exit("this experiment needs CUDA")
 
     b, s, hq, hk, d = args.batch, args.seq, args.heads, args.kv_heads, args.head_dim
-    groups = hq // hk
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def hf_layout(heads: int) -> torch.Tensor:

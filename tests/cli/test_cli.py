@@ -116,5 +116,10 @@ def test_env_reports_versions_and_kernel_path(monkeypatch):
 
 @pytest.mark.parametrize("name", sorted(bundled_recipes()))
 def test_every_bundled_recipe_validates(name: str):
-    result = invoke("validate", bundled_recipes()[name])
+    path = bundled_recipes()[name]
+    result = invoke("validate", path)
     assert result.exit_code == 0, result.output + result.stderr
+    # It opens with its exact command and an override example.
+    first = path.read_text().splitlines()[:3]
+    assert first[0].startswith("# ligertune ") and f"recipes/{name}.yaml" in first[0]
+    assert any("--set" in line for line in first if line.startswith("# ligertune "))

@@ -33,6 +33,7 @@ from ligertune.data import (
     shuffled,
 )
 from ligertune.errors import UserError
+from ligertune.kernels import active_path
 from ligertune.models import CausalLMLoss, build_model, load_tokenizer, patch_model, resolve_dtype
 from ligertune.recipe import LoraConfig, Recipe, dump_recipe
 from ligertune.training.checkpoint import MetricsLog, save_model, write_atomic_text
@@ -155,7 +156,8 @@ def setup(recipe: Recipe, console: Console) -> Run:
         f"[bold]ligertune[/] model {type(model).__name__} {n_params / 1e6:.2f}M params "
         f"({n_trainable / 1e6:.2f}M trainable), {dtype}, {device.type}"
     )
-    console.print(f"kernels: {patches.describe()}")
+    console.print(f"kernels: {patches.describe()}; fused loss: {'on' if head.fused else 'off'} "
+                  f"({active_path(device)} path)")
     console.print(
         f"data: {len(data.train)} train / {len(eval_examples)} eval conversations, "
         f"{len(train_packs)} packs of {recipe.data.max_seq_len} ({real / max(slots, 1):.1%} full), "

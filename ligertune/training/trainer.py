@@ -161,7 +161,7 @@ def setup(recipe: Recipe, console: Console) -> Run:
     console.print(
         f"data: {len(data.train)} train / {len(eval_examples)} eval conversations, "
         f"{len(train_packs)} packs of {recipe.data.max_seq_len} ({real / max(slots, 1):.1%} full), "
-        f"{total_steps} steps of {packs_per_step} packs"
+        f"{total_steps} step{'s' * (total_steps != 1)} of {packs_per_step} pack{'s' * (packs_per_step != 1)}"
     )
     return Run(
         recipe=recipe, device=device, console=console, tokenizer=tokenizer, model=model, head=head,

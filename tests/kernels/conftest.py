@@ -19,3 +19,9 @@ def kernel_path(request, monkeypatch) -> str:
     """Run a test once per path, forced through LIGERTUNE_KERNELS; the value is the path's name."""
     monkeypatch.setenv("LIGERTUNE_KERNELS", request.param)
     return request.param
+
+
+@pytest.fixture
+def triton_path(monkeypatch) -> None:
+    """Force the Triton path (interpreted on the CPU, compiled on CUDA)."""
+    monkeypatch.setenv("LIGERTUNE_KERNELS", "triton")

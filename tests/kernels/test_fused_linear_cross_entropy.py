@@ -8,16 +8,15 @@ With TRITON_INTERPRET=0 on a GPU machine the same tests run on CUDA with the com
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
 from ligertune.kernels import fused_linear_cross_entropy
 from ligertune.kernels.cross_entropy import _chunk_rows
+from kernel_testing import DEVICE, rel_err
 
 IGNORE = -100
-DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 
 SHAPES = [
     pytest.param(37, 123, 1001, id="N37-H123-V1001"),
@@ -113,10 +112,6 @@ def run_both(inputs, options, grad_out, chunk_bytes=None):
     (loss * grad_out.double()).sum().backward()
     grads = {k: (ours[k].grad, exact[k].grad) for k in diff_names}
     return out, (loss, z_part, n_correct, n_tokens), grads
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 @pytest.mark.parametrize("case", CASES)

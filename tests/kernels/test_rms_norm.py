@@ -7,15 +7,14 @@ TRITON_INTERPRET=0 the same tests run the compiled kernels on CUDA.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 import ligertune.kernels as K
 from ligertune.kernels import reference
+from kernel_testing import DEVICE, rel_err
 
-DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 
 SHAPES = [
     pytest.param((37, 123), id="R37-H123"),
@@ -37,16 +36,6 @@ MODES = [
     pytest.param(dict(offset=1.0, casting="llama"), id="offset1-llama"),
     pytest.param(dict(offset=0.0, casting="gemma"), id="offset0-gemma"),
 ]
-
-
-@pytest.fixture
-def triton_path(monkeypatch):
-    monkeypatch.setenv("LIGERTUNE_KERNELS", "triton")
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    a, b = actual.double(), expected.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def make_inputs(shape, dtype, weight_dtype=None, seed=0):

@@ -6,15 +6,14 @@ cos/sin come from `LlamaRotaryEmbedding` itself, for position ids that restart l
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 import ligertune.kernels as K
 from ligertune.kernels import reference
+from kernel_testing import DEVICE, rel_err
 
-DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 
 # (batch, q heads, kv heads, seq len, head dim)
 SHAPES = [
@@ -35,16 +34,6 @@ LAYOUTS = [
     pytest.param(True, id="hf-transposed"),  # q/k viewed as [B, H, L, D] over a [B, L, H, D] buffer
     pytest.param(False, id="contiguous"),
 ]
-
-
-@pytest.fixture
-def triton_path(monkeypatch):
-    monkeypatch.setenv("LIGERTUNE_KERNELS", "triton")
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    a, b = actual.double(), expected.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def pack_positions(batch: int, seq_len: int) -> torch.Tensor:

@@ -4,15 +4,14 @@ MLP of `transformers` (LlamaMLP) bit for bit.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 import ligertune.kernels as K
 from ligertune.kernels import reference
+from kernel_testing import DEVICE, rel_err
 
-DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 
 SHAPES = [
     pytest.param((37, 123), id="N37-I123"),
@@ -25,16 +24,6 @@ DTYPES = [
     pytest.param(torch.float32, 1e-6, id="fp32"),
     pytest.param(torch.bfloat16, 1e-2, id="bf16"),
 ]
-
-
-@pytest.fixture
-def triton_path(monkeypatch):
-    monkeypatch.setenv("LIGERTUNE_KERNELS", "triton")
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    a, b = actual.double(), expected.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def make_inputs(shape, dtype, scale=2.0, seed=0):

@@ -29,7 +29,7 @@ from ligertune.errors import UserError
 from ligertune.models import CausalLMLoss, build_model, load_tokenizer, patch_model, resolve_dtype, unpatch_model
 from ligertune.recipe import LossConfig, Recipe
 from ligertune.training.normalization import step_token_weights
-from ligertune.training.trainer import resolve_device, wrap_lora
+from ligertune.training.trainer import pad_token_id, resolve_device, wrap_lora
 
 MODES = ("token", "sequence", "sum")
 
@@ -109,7 +109,7 @@ def verify_loss(recipe: Recipe, *, samples: int = 8, modes: Sequence[str] = ("to
                         chunk_bytes=recipe.kernels.loss_chunk_mib * 2**20,
                         label_smoothing=loss_cfg.label_smoothing, z_loss_weight=loss_cfg.z_loss_weight,
                         ignore_index=loss_cfg.ignore_index)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad_id = pad_token_id(tokenizer)
     loss_tol, grad_tol = TOLERANCES.get(dtype, TOLERANCES[torch.bfloat16])
     max_len = max(len(e.input_ids) for e in examples)
     total = sum(len(e.input_ids) for e in examples)

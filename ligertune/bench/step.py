@@ -54,6 +54,7 @@ from ligertune.bench.kernels import describe_error
 from ligertune.bench.timing import measure, synchronize
 from ligertune.errors import UserError
 from ligertune.recipe import Recipe
+from ligertune.training.normalization import step_token_weights
 from ligertune.training.trainer import resolve_device
 
 PEAK_BF16_TFLOPS = (
@@ -294,7 +295,7 @@ class _StepBench:
             ids = self._synthetic_ids()
             examples = [TokenizedExample(row.tolist(), row.tolist()) for row in ids]
             batch = collate(packs_of_one(examples)).to(self.device)
-            weights = _token_mean_weights(batch.targets, loss.ignore_index)
+            weights = token_mean_weights(batch.targets, loss.ignore_index)
 
             def step():
                 out = head(batch.input_ids, batch.position_ids, batch.targets, weights,
@@ -356,7 +357,7 @@ class _StepBench:
         def packed_step(batch):
             def step():
                 out = head(batch.input_ids, batch.position_ids, batch.targets,
-                           _token_mean_weights(batch.targets, ignore),
+                           token_mean_weights(batch.targets, ignore),
                            cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen)
                 out.loss.backward()
             return step
@@ -364,7 +365,7 @@ class _StepBench:
         def padded_step(batch):
             def step():
                 out = head(batch.input_ids, batch.position_ids, batch.targets,
-                           _token_mean_weights(batch.targets, ignore), attention_mask=batch.attention_mask)
+                           token_mean_weights(batch.targets, ignore), attention_mask=batch.attention_mask)
                 out.loss.backward()
             return step
 
@@ -464,10 +465,9 @@ def padded_groups(lengths: list[int], budget: int) -> list[list[int]]:
     return groups
 
 
-def _token_mean_weights(targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """w_t = 1 / |T| on supervised tokens: the `token` normalization of one micro-batch."""
-    supervised = (targets != ignore_index).float()
-    return supervised / supervised.sum().clamp(min=1.0)
+def token_mean_weights(targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """The `token` normalization of a step of one micro-batch."""
+    return step_token_weights([targets], None, "token", ignore_index=ignore_index)[0]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ Normalization = Literal["token", "sequence", "sum"]
 
 def step_token_weights(
     targets: Sequence[torch.Tensor],
-    seq_ids: Sequence[torch.Tensor],
+    seq_ids: Sequence[torch.Tensor] | None,
     mode: Normalization,
     *,
     ignore_index: int = -100,
@@ -32,7 +32,8 @@ def step_token_weights(
     """Weights w_t (float32, shaped like each micro-batch's targets) for one optimizer step.
 
     `targets[i]` and `seq_ids[i]` belong to micro-batch i; `seq_ids` numbers the conversations of a
-    micro-batch (a conversation never spans two micro-batches). Ignored tokens get weight 0. When
+    micro-batch (a conversation never spans two micro-batches) and is needed by `sequence` only.
+    Ignored tokens get weight 0. When
     torch.distributed is initialized, |T| and |S| are summed over the ranks.
     """
     supervised = [t.reshape(-1) != ignore_index for t in targets]
@@ -43,6 +44,8 @@ def step_token_weights(
         scale = 1.0 / n_tokens.clamp(min=1).float()
         return [(s.float() * scale).reshape(t.shape) for s, t in zip(supervised, targets)]
     if mode == "sequence":
+        if seq_ids is None:
+            raise ValueError("sequence normalization needs the seq_ids of every micro-batch")
         per_conversation = []
         n_sequences = torch.zeros((), dtype=torch.int64, device=targets[0].device)
         for s, ids in zip(supervised, seq_ids):

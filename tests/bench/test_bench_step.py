@@ -157,5 +157,5 @@ def test_restored_module_undoes_a_monkey_patch(monkeypatch):
 
 def test_token_mean_weights():
     targets = torch.tensor([[-100, 4, 5, -100, 7]])
-    w = bench_step._token_mean_weights(targets, -100)
+    w = bench_step.token_mean_weights(targets, -100)
     assert torch.equal(w, torch.tensor([[0.0, 1 / 3, 1 / 3, 0.0, 1 / 3]]))

@@ -54,3 +54,11 @@ def test_conversation_without_supervised_tokens_does_not_count():
     seq_ids = torch.tensor([0, 0, 1, 1])
     (w,) = step_token_weights([targets], [seq_ids], "sequence")
     assert torch.allclose(w, torch.tensor([[0.0, 0.0, 0.5, 0.5]]))
+
+
+def test_token_and_sum_need_no_conversation_ids():
+    targets = torch.tensor([[IGNORE, 1, 2, 3]])
+    (w,) = step_token_weights([targets], None, "token")
+    assert torch.allclose(w, torch.tensor([[0.0, 1 / 3, 1 / 3, 1 / 3]]))
+    with pytest.raises(ValueError, match="needs the seq_ids"):
+        step_token_weights([targets], None, "sequence")

@@ -424,9 +424,6 @@ def _build(cls: type, raw: Any, path: str, problems: list[str]) -> Any:
         return None
 
 
-_NO_VALUE = object()
-
-
 def _convert(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
     """Check `value` against the type hint `tp`, converting where YAML is loose (int -> float)."""
     origin = get_origin(tp)

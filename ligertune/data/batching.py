@@ -26,6 +26,10 @@ class Batch:
     `input_ids`, `targets`, `position_ids`: [1, T] int64; `cu_seqlens`: [n + 1] int32 (the
     conversation boundaries, from 0 to T); `max_seqlen`: the longest conversation; `seq_ids`: [T]
     int64, the conversation (0..n-1) each token belongs to.
+
+    `to(device)` moves every tensor but `cu_seqlens`, which stays on the host: the attention kwargs
+    are checked there and copied over without the host waiting on the device
+    (`packed_attention_kwargs`).
     """
 
     input_ids: torch.Tensor
@@ -44,7 +48,7 @@ class Batch:
         return self.cu_seqlens.numel() - 1
 
     def to(self, device: torch.device | str) -> Batch:
-        return _to(self, device)
+        return _to(self, device, keep_on_host=("cu_seqlens",))
 
 
 @dataclass
@@ -119,9 +123,17 @@ def collate_padded(items: Sequence[TokenizedExample | Pack], pad_id: int) -> Pad
     return PaddedBatch(input_ids, targets, attention_mask, position_ids)
 
 
-def _to(batch, device):
+def _to(batch, device: torch.device | str, keep_on_host: tuple[str, ...] = ()):
+    """The batch with its tensors on `device`; to a GPU through pinned memory, without waiting."""
+    device = torch.device(device)
+
+    def move(value: torch.Tensor) -> torch.Tensor:
+        if device.type == "cuda" and value.device.type == "cpu":
+            value = value.pin_memory()
+        return value.to(device, non_blocking=True)
+
     moved = {
-        f.name: (value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value)
+        f.name: move(value) if isinstance(value, torch.Tensor) and f.name not in keep_on_host else value
         for f in fields(batch)
         for value in [getattr(batch, f.name)]
     }

@@ -15,10 +15,14 @@ function of every layer (`packed_attention_kwargs` builds them).
 
 `register_packed_attention()` makes the function available as `attn_implementation="ligertune_packed"`:
 
-- with those kwargs, on CUDA in fp16/bf16: `torch.nn.attention.varlen.varlen_attn`, FlashAttention's
-  variable-length kernel inside PyTorch, which never forms the mask at all;
-- with those kwargs otherwise (CPU, fp32, softcapped logits, attention dropout, no varlen_attn):
-  `scaled_dot_product_attention` with the block-diagonal causal mask built from cu_seqlens;
+- with those kwargs and conversations all of one length (fixed-length rows, `bench step`'s
+  synthetic batch): SDPA, causal, over the tokens cut into those rows, the layout for which SDPA
+  has its fastest kernels (cuDNN's on Hopper, with grouped key/value heads in place);
+- with those kwargs otherwise, on CUDA in fp16/bf16: `torch.nn.attention.varlen.varlen_attn`,
+  FlashAttention's variable-length kernel inside PyTorch, which never forms the mask at all;
+- with those kwargs where varlen cannot run (CPU, fp32, softcapped logits, attention dropout, no
+  varlen_attn): `scaled_dot_product_attention` with the block-diagonal causal mask built from
+  cu_seqlens;
 - without them, with a padding mask or a KV cache (`generate()`): exactly `transformers`' sdpa
   attention with the mask the model built;
 - without them and without any mask: conversations are split where the position ids do not go up
@@ -72,10 +76,14 @@ def packed_attention_kwargs(
     `cu_seqlens` are the cumulative conversation lengths over the flattened [batch * seq] tokens,
     starting at 0. When `total_tokens` is given and the last boundary falls short of it, the tokens
     left over (padding at the end) become one more segment of their own: a token outside every
-    segment would get no attention output at all from the varlen kernel. One host synchronization
-    checks the boundaries and finds the longest segment; `max_seqlen`, when given, must cover it.
+    segment would get no attention output at all from the varlen kernel. The boundaries are checked
+    and the longest segment found on the host: boundaries given as a list or a CPU tensor (as
+    `collate` keeps them) cost no device synchronization, and are copied to `device` without
+    waiting; boundaries already on a GPU are read back once. `max_seqlen`, when given, must cover
+    the longest segment.
     """
-    cu = torch.as_tensor(cu_seqlens, device=device).to(dtype=torch.int32)
+    on_host = not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.device.type == "cpu"
+    cu = torch.as_tensor(cu_seqlens).to(dtype=torch.int32)
     if cu.dim() != 1 or cu.numel() < 2:
         raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries; got shape {tuple(cu.shape)}")
     lengths = cu[1:] - cu[:-1]
@@ -92,7 +100,16 @@ def packed_attention_kwargs(
         if int(max_seqlen) < longest:
             raise ValueError(f"max_seqlen={int(max_seqlen)} is shorter than the longest segment ({longest})")
         longest = int(max_seqlen)
+    if device is not None:
+        cu = _to_device(cu, torch.device(device)) if on_host else cu.to(device)
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to a GPU through pinned memory, so that the host does not wait."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -166,8 +183,11 @@ def packed_attention_forward(
 
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     if cu_seqlens is not None:
+        max_len = kwargs.get("max_length_q")
+        rows = equal_segments(cu_seqlens, max_len, batch * q_len)
+        if rows and softcap is None and (sliding_window is None or sliding_window >= max_len):
+            return _causal_rows(query, key, value, rows, scaling, dropout), None
         if _varlen_applies(query, dropout, softcap, sliding_window):
-            max_len = kwargs.get("max_length_q")
             out = _varlen_attention(query, key, value, cu_seqlens, max_len, scaling, sliding_window, groups)
             return out, None
         segments = segment_ids_from_cu_seqlens(cu_seqlens, batch, q_len)
@@ -175,6 +195,39 @@ def packed_attention_forward(
         segments = segment_ids_from_position_ids(kwargs.get("position_ids"), batch, q_len)
     mask = block_causal_mask(segments, q_len, sliding_window, device=query.device)
     return _masked_attention(query, key, value, mask, scaling, dropout, softcap, groups), None
+
+
+def equal_segments(cu_seqlens: torch.Tensor, max_len: int | None, total_tokens: int) -> int | None:
+    """The number of segments when all of them have the same length, else None; never synchronizes.
+
+    n segments of at most `max_len` tokens that add up to n * max_len tokens are all exactly
+    max_len long, so the shapes alone decide (`max_len` is a host int, the longest segment).
+    """
+    if not isinstance(max_len, int) or max_len < 1:
+        return None
+    segments = cu_seqlens.numel() - 1
+    return segments if segments * max_len == total_tokens else None
+
+
+def _causal_rows(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: int, scaling: float, dropout: float
+) -> torch.Tensor:
+    """Causal SDPA with the flattened tokens cut into `rows` equal sequences: -> [B, L, Hq, D].
+
+    This is the layout of plain [rows, len] batches, for which SDPA has its fastest kernels (cuDNN's
+    on Hopper, with grouped key/value heads used in place). For the [B, L, H, D] memory that
+    `transformers` hands over as [B, H, L, D], the split is a view.
+    """
+    batch, heads, seq_len, head_dim = query.shape
+
+    def split(x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(1, 2).reshape(rows, -1, x.shape[1], head_dim).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(
+        split(query), split(key), split(value), dropout_p=dropout, is_causal=True, scale=scaling,
+        enable_gqa=key.shape[1] != heads,
+    )
+    return out.transpose(1, 2).reshape(batch, seq_len, heads, head_dim)
 
 
 def segment_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:

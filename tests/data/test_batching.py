@@ -57,7 +57,13 @@ def test_padded_accepts_packs_of_one_but_not_packs_of_several():
         collate_padded(pack(EXAMPLES[:2], 8), pad_id=0)
 
 
-def test_to_moves_every_tensor():
-    batch = collate(PACKS).to("cpu")
-    assert batch.max_seqlen == 5 and batch.cu_seqlens.dtype == torch.int32
-    assert collate_padded(EXAMPLES, pad_id=0).to("cpu").attention_mask.sum().item() == 12
+def test_to_moves_every_tensor_but_the_boundaries():
+    batch = collate(PACKS).to("meta")
+    for name in ("input_ids", "targets", "position_ids", "seq_ids"):
+        assert getattr(batch, name).device.type == "meta"
+    # The boundaries stay on the host, where the attention kwargs are checked without a device sync.
+    assert batch.cu_seqlens.device.type == "cpu" and batch.cu_seqlens.dtype == torch.int32
+    assert batch.max_seqlen == 5
+    padded = collate_padded(EXAMPLES, pad_id=0)
+    assert padded.to("meta").attention_mask.device.type == "meta"
+    assert padded.to("cpu").attention_mask.sum().item() == 12

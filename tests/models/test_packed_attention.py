@@ -6,8 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ligertune.models import packed_attention_forward, packed_attention_kwargs
-from ligertune.models.attention import _varlen_applies, block_causal_mask, segment_ids_from_position_ids
+from ligertune.models import attention, packed_attention_forward, packed_attention_kwargs
+from ligertune.models.attention import (
+    _causal_rows as causal_rows,
+    _varlen_applies,
+    block_causal_mask,
+    equal_segments,
+    segment_ids_from_position_ids,
+)
 from tiny_models import FAMILIES, VOCAB, make_model, make_packed_batch
 
 FAMILY_IDS = list(FAMILIES)
@@ -107,6 +113,16 @@ def test_packed_attention_kwargs_checks_its_input():
     assert (kwargs["max_length_q"], kwargs["max_length_k"]) == (16, 16)
 
 
+def test_equal_segments_are_read_from_the_shapes_alone():
+    cu = torch.tensor([0, 4, 8, 12], dtype=torch.int32)
+    assert equal_segments(cu, 4, 12) == 3
+    assert equal_segments(cu, 5, 12) is None  # a bound above the longest: not all equal
+    assert equal_segments(torch.tensor([0, 4, 7], dtype=torch.int32), 4, 7) is None
+    assert equal_segments(cu, None, 12) is None
+    kwargs = packed_attention_kwargs(cu)
+    assert equal_segments(kwargs["cu_seq_lens_q"], kwargs["max_length_q"], 12) == 3
+
+
 def test_block_causal_mask_draws_blocks_and_window():
     segments = segment_ids_from_position_ids(torch.tensor([[0, 1, 2, 3, 0, 1]]), 1, 6)
     assert segments.tolist() == [[0, 0, 0, 0, 1, 1]]
@@ -126,18 +142,24 @@ def test_block_causal_mask_draws_blocks_and_window():
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+@pytest.mark.parametrize(
+    "lengths", [[37, 11, 64, 5, 20], [24, 24, 24, 24]], ids=["mixed-lengths", "equal-lengths"]
+)
 @pytest.mark.parametrize("window", [None, 6], ids=["full", "window6"])
 @pytest.mark.parametrize(
     ("device", "dtype", "tolerance"),
     [
-        pytest.param("cpu", torch.float32, 1e-5, id="cpu-fp32-mask"),
-        pytest.param("cuda", torch.bfloat16, 1e-2, id="cuda-bf16-varlen", marks=CUDA),
+        pytest.param("cpu", torch.float32, 1e-5, id="cpu-fp32"),
+        pytest.param("cuda", torch.bfloat16, 1e-2, id="cuda-bf16", marks=CUDA),
     ],
 )
 @torch.no_grad()
-def test_attention_function_keeps_segments_apart(window, device, dtype, tolerance):
-    """Each segment's output is its own causal (windowed) attention, computed apart in fp32."""
-    lengths = [37, 11, 64, 5, 20]
+def test_attention_function_keeps_segments_apart(lengths, window, device, dtype, tolerance, monkeypatch):
+    """Each segment's output is its own causal (windowed) attention, computed apart in fp32.
+
+    Segments of one length without a window that bites take SDPA over rows; the others take the
+    varlen kernel on CUDA and the block mask on the CPU.
+    """
     total = sum(lengths)
     gen = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(1, 8, total, 64, device=device, generator=gen).to(dtype)
@@ -145,9 +167,13 @@ def test_attention_function_keeps_segments_apart(window, device, dtype, toleranc
     assert _varlen_applies(q, 0.0, None, window) == (device == "cuda")
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     kwargs = packed_attention_kwargs(cu, device=device)
+    row_calls = []
+    monkeypatch.setattr(attention, "_causal_rows", lambda *a: row_calls.append(a[3]) or causal_rows(*a))
     out, _ = packed_attention_forward(
         torch.nn.Module(), q, k, v, None, scaling=0.2, sliding_window=window, **kwargs
     )
+    as_rows = len(set(lengths)) == 1 and (window is None or window >= lengths[0])
+    assert row_calls == ([len(lengths)] if as_rows else [])
 
     def attend(qs, ks, vs):  # fp32 SDPA of one segment, with transformers' window rule
         n = qs.shape[2]

@@ -59,6 +59,12 @@ def apply_rope(q, k, cos, sin):
     return _impl("apply_rope", q.device)(q, k, cos, sin)
 
 
-def swiglu(gate, up):
-    """`silu(gate) * up`."""
-    return _impl("swiglu", gate.device)(gate, up)
+def swiglu(gate, up, *, reuse_inputs: bool = False):
+    """`silu(gate) * up`.
+
+    `reuse_inputs=True` lets the backward write the gradients over `gate` and `up`, saving two
+    buffers of their size at the peak of an MLP's backward: only for inputs that nothing else reads
+    after the product (as in an MLP, where they exist for it alone). Autograd's version counter then
+    refuses any later use of them in a backward.
+    """
+    return _impl("swiglu", gate.device)(gate, up, reuse_inputs=reuse_inputs)

@@ -9,7 +9,8 @@ With s = sigmoid(g) = 1 / (1 + exp(-g)) and a = silu(g) = g / (1 + exp(-g)), rou
 
 Computed in float32 with the roundings of the eager `silu(gate) * up` and its autograd (a and
 dy * u are rounded to the dtype before the next product), so on a GPU the result matches it up to the
-last bit of `exp`. Elementwise over flat memory; nothing but gate and up is saved for the backward.
+last bit of `exp`. Elementwise over flat memory; nothing but gate and up is saved for the backward,
+which can write the two gradients over them (`reuse_inputs`).
 
 The file is not named after the public function `swiglu`: importing a submodule binds its name on
 the package, which would hide the `ligertune.kernels.swiglu` dispatcher.
@@ -72,10 +73,18 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return y.view(gate.shape)
 
 
-def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dgate, dup), contiguous, shaped as gate."""
+def swiglu_bwd(
+    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *, into_inputs: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dgate, dup), contiguous, shaped as gate; written over gate and up when `into_inputs`
+    (each element is read before it is written, so the result is the same)."""
     d, g, u = _flat(dy), _flat(gate), _flat(up)
-    dgate, dup = torch.empty_like(g), torch.empty_like(u)
+    if into_inputs and g.data_ptr() == gate.data_ptr() and u.data_ptr() == up.data_ptr():
+        dgate, dup = g, u
+        # Anything that still held on to gate or up now fails autograd's version check loudly.
+        torch.autograd.graph.increment_version((gate, up))
+    else:
+        dgate, dup = torch.empty_like(g), torch.empty_like(u)
     n = g.numel()
     if n:
         _swiglu_bwd_kernel[(triton.cdiv(n, BLOCK),)](d, g, u, dgate, dup, n, BLOCK=BLOCK, num_warps=NUM_WARPS)
@@ -84,18 +93,19 @@ def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[
 
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up):
+    def forward(ctx, gate, up, reuse_inputs):
         ctx.save_for_backward(gate, up)
+        ctx.reuse_inputs = reuse_inputs
         return swiglu_fwd(gate, up)
 
     @staticmethod
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
-        return swiglu_bwd(dy, gate, up)
+        return *swiglu_bwd(dy, gate, up, into_inputs=ctx.reuse_inputs), None
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, *, reuse_inputs: bool = False) -> torch.Tensor:
     """silu(gate) * up for tensors of one shape and dtype: the semantics of `reference.swiglu`.
-    Differentiable w.r.t. both."""
+    Differentiable w.r.t. both; see `ligertune.kernels.swiglu` for `reuse_inputs`."""
     check_swiglu_args(gate, up)
-    return _SwiGLU.apply(gate, up)
+    return _SwiGLU.apply(gate, up, reuse_inputs)

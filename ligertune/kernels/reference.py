@@ -414,13 +414,14 @@ def check_swiglu_args(gate: torch.Tensor, up: torch.Tensor) -> None:
         )
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, *, reuse_inputs: bool = False) -> torch.Tensor:
     """The gated unit of SwiGLU (Shazeer 2020, "GLU Variants Improve Transformer", eq. 6).
 
         y = silu(gate) * up,   silu(g) = g * sigmoid(g)
 
     elementwise, in the inputs' dtype: the activation is rounded to that dtype before the product,
-    as in `act_fn(gate_proj(x)) * up_proj(x)` of the `transformers` MLPs.
+    as in `act_fn(gate_proj(x)) * up_proj(x)` of the `transformers` MLPs. `reuse_inputs` is a
+    memory option of the Triton path only; here autograd allocates the gradients as usual.
     """
     check_swiglu_args(gate, up)
     return torch.nn.functional.silu(gate) * up

@@ -203,7 +203,8 @@ def _rms_norm_forward(module: nn.Module, x: torch.Tensor, *, eps_attr: str, offs
 
 
 def _swiglu_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return module.down_proj(kernels.swiglu(module.gate_proj(x), module.up_proj(x)))
+    # gate and up exist for this product alone: their memory can take their gradients.
+    return module.down_proj(kernels.swiglu(module.gate_proj(x), module.up_proj(x), reuse_inputs=True))
 
 
 _PATCHED_FORWARDS = (_rms_norm_forward, _swiglu_forward)

@@ -64,6 +64,26 @@ def test_extreme_gates_and_strided_inputs(triton_path, dtype, tol):
         assert rel_err(a, b) < tol, name
 
 
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+def test_reuse_inputs_gives_the_same_gradients_in_their_memory(triton_path, dtype, tol):
+    """The gradients are those of the default path, bit for bit, written over gate and up."""
+    gate0, up0, dy = make_inputs((37, 123), dtype, seed=4)
+    want = run(K.swiglu, gate0, up0, dy)
+
+    leaf_gate, leaf_up = gate0.clone().requires_grad_(True), up0.clone().requires_grad_(True)
+    gate, up = leaf_gate * 1, leaf_up * 1  # intermediates, as gate_proj(x) and up_proj(x) are
+    seen = {}
+    gate.register_hook(lambda g: seen.setdefault("dgate", g))
+    up.register_hook(lambda g: seen.setdefault("dup", g))
+    y = K.swiglu(gate, up, reuse_inputs=True)
+    y.backward(dy, retain_graph=True)
+    assert torch.equal(y, want[0])
+    assert torch.equal(leaf_gate.grad, want[1]) and torch.equal(leaf_up.grad, want[2])
+    assert seen["dgate"].data_ptr() == gate.data_ptr() and seen["dup"].data_ptr() == up.data_ptr()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward(dy)  # gate and up are gone: a second backward must not run on them
+
+
 def test_kernel_against_float64_formula(triton_path):
     gate, up, dy = make_inputs((37, 123), torch.float32, seed=2)
     y, dgate, dup = run(K.swiglu, gate, up, dy)

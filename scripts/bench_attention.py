@@ -1,22 +1,25 @@
-"""Attention alone, forward + backward, at the shapes of a training step: where do the milliseconds go?
+"""Attention alone, forward + backward, at the shapes of a training step: which kernel for packed rows?
 
-Compares, on the same bf16 inputs (query [B, Hq, L, D], key/value [B, Hk, L, D], the layout the
-attention modules of `transformers` hand over):
+Two layouts of 4 x 4096 tokens in one flattened row, bf16, Hq 32, Hk 8, D 64 (Llama-3.2-1B):
+"equal" (four sequences of 4096, bench step's synthetic batch) and "chat" (the first micro-batch of
+bench step's synthetic chat conversations, packed best-fit). Variants, on the same inputs:
 
-- ligertune's packed attention as training runs it (varlen FlashAttention over cu_seqlens; on a
-  torch whose `varlen_attn` lacks `enable_gqa`, key and value heads are repeated first);
-- SDPA, causal, with native GQA (`enable_gqa=True`), as HF's sdpa attention runs one sequence a row;
-- SDPA with the cuDNN backend forced, where it runs.
+    ligertune             packed_attention_forward as training runs it (SDPA over rows for equal
+                          lengths, varlen FlashAttention otherwise)
+    varlen FlashAttention torch's varlen_attn (on a torch without enable_gqa, heads repeated first)
+    cuDNN ragged          aten's cuDNN attention over cu_seqlens (THD layout, grouped heads in place)
+    SDPA rows             causal SDPA over [4, 4096] rows (equal lengths only; cuDNN on Hopper)
+    flex attention        torch.compile'd flex_attention with a causal document block mask
+    per-sequence SDPA     one causal SDPA call per sequence
 
-Rows hold one sequence each, so every variant computes the same thing; outputs are checked against
-the first. Usage (CUDA only): python3 scripts/bench_attention.py [--batch 4 --seq 4096 --heads 32
---kv-heads 8 --head-dim 64 --layers 16]
+Each is checked against the float32 per-sequence reference (output and the three gradients, relative
+error); a variant that fails or is wrong says so in its row. Usage (CUDA only):
+
+    python3 scripts/bench_attention.py
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import sys
 from pathlib import Path
 
@@ -26,87 +29,149 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ligertune.bench.timing import measure  # noqa: E402
-from ligertune.models.attention import packed_attention_forward, packed_attention_kwargs  # noqa: E402
+from ligertune.models import attention  # noqa: E402
+
+HQ, HK, D, ROWS, LEN = 32, 8, 64, 4, 4096
+
+
+class _CudnnRagged(torch.autograd.Function):
+    """aten's cuDNN attention over cumulative lengths: q [T, Hq, D], k/v [T, Hk, D]."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, max_len, scale):
+        res = torch.ops.aten._cudnn_attention_forward(
+            q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True, False, scale=scale
+        )
+        out, lse, seed, offset = res[0], res[1], res[6], res[7]
+        ctx.save_for_backward(q, k, v, out, lse, cu, seed, offset)
+        ctx.max_len, ctx.scale = max_len, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, cu, seed, offset = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
+            grad.contiguous(), q, k, v, out, lse, seed, offset, None, cu, cu, ctx.max_len, ctx.max_len,
+            0.0, True, scale=ctx.scale,
+        )
+        return dq, dk, dv, None, None, None
+
+
+def layouts() -> dict[str, torch.Tensor]:
+    from ligertune.bench.step import synthetic_conversations
+    from ligertune.data.batching import collate
+    from ligertune.data.packing import pack
+
+    packs = pack(synthetic_conversations(2 * ROWS * LEN, LEN, 1000, 0), LEN)
+    chat = collate(packs[:ROWS]).cu_seqlens
+    return {
+        "equal 4 x 4096": torch.arange(0, (ROWS + 1) * LEN, LEN, dtype=torch.int32),
+        f"chat ({chat.numel() - 1} conversations)": chat,
+    }
+
+
+def variants(cu: torch.Tensor, scale: float) -> list[tuple[str, callable]]:
+    """(name, fn(q, k, v) -> out), all in the THD layout [T, H, D]."""
+    total = int(cu[-1])
+    lengths = (cu[1:] - cu[:-1]).tolist()
+    max_len = max(lengths)
+    cu_host, cu = cu, cu.cuda()
+
+    def hf(x):  # [T, H, D] seen as the [1, H, T, D] that transformers hands over
+        return x.transpose(0, 1)[None]
+
+    def ligertune(q, k, v):
+        kwargs = attention.packed_attention_kwargs(cu_host, max_len, total_tokens=total, device="cuda")
+        out, _ = attention.packed_attention_forward(torch.nn.Module(), hf(q), hf(k), hf(v), None, scaling=scale,
+                                                    **kwargs)
+        return out[0]
+
+    def varlen(q, k, v):
+        return attention._varlen_attention(hf(q), hf(k), hf(v), cu, max_len, scale, None, HQ // HK)[0]
+
+    def cudnn_ragged(q, k, v):
+        return _CudnnRagged.apply(q, k, v, cu, max_len, scale)
+
+    def per_sequence(q, k, v, dtype=None):
+        outs = []
+        for start, end in zip(cu_host[:-1].tolist(), cu_host[1:].tolist()):
+            qs, ks, vs = (x[start:end].transpose(0, 1)[None] for x in (q, k, v))
+            if dtype is not None:
+                qs, ks, vs = qs.to(dtype), ks.to(dtype), vs.to(dtype)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+            outs.append(o[0].transpose(0, 1))
+        return torch.cat(outs)
+
+    out = [("ligertune", ligertune), ("varlen FlashAttention", varlen), ("cuDNN ragged", cudnn_ragged)]
+    if len(set(lengths)) == 1:
+        rows = len(lengths)
+
+        def sdpa_rows(q, k, v):
+            def split(x):
+                return x.view(rows, -1, x.shape[1], D).transpose(1, 2)
+
+            o = F.scaled_dot_product_attention(split(q), split(k), split(v), is_causal=True, scale=scale,
+                                               enable_gqa=True)
+            return o.transpose(1, 2).reshape(total, HQ, D)
+
+        out.append(("SDPA rows", sdpa_rows))
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        doc = torch.searchsorted(cu[1:].contiguous(), torch.arange(total, device="cuda"), right=True)
+        mask = create_block_mask(lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (ki <= qi), None, None, total, total)
+        compiled = torch.compile(flex_attention, dynamic=False)
+
+        def flex(q, k, v):
+            return compiled(hf(q), hf(k), hf(v), block_mask=mask, scale=scale, enable_gqa=True)[0].transpose(0, 1)
+
+        out.append(("flex attention", flex))
+    except Exception as exc:  # an older torch: the row says why
+        out.append(("flex attention", exc))
+    out.append(("per-sequence SDPA", per_sequence))
+    out.append(("float32 reference", lambda q, k, v: per_sequence(q, k, v, torch.float32)))
+    return out
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=16, help="to scale per-call times to a step")
-    args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("this experiment needs CUDA")
-
-    b, s, hq, hk, d = args.batch, args.seq, args.heads, args.kv_heads, args.head_dim
+        sys.exit("this benchmark needs CUDA")
+    print(f"attention, forward + backward, bf16, Hq {HQ} Hk {HK} D {D}; torch {torch.__version__}, "
+          f"cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}")
+    print(f"{'layout':28} {'variant':24} {'fwd ms':>8} {'fwd+bwd':>8}  error out / dq / dk / dv")
     gen = torch.Generator(device="cuda").manual_seed(0)
+    for layout, cu in layouts().items():
+        total = int(cu[-1])
+        q = torch.randn(total, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k, v = (torch.randn(total, HK, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+        grad = torch.randn(total, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        candidates = variants(cu, D**-0.5)
 
-    def hf_layout(heads: int) -> torch.Tensor:
-        # [B, L, H, D] memory seen as [B, H, L, D], as q_proj(x).view(...).transpose(1, 2) gives.
-        x = torch.randn(b, s, heads, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-        return x.transpose(1, 2).requires_grad_()
+        def results(fn):
+            leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+            out = fn(*leaves)
+            out.backward(grad.to(out.dtype))
+            return [t.float() for t in (out, *(x.grad for x in leaves))]
 
-    q, k, v = hf_layout(hq), hf_layout(hk), hf_layout(hk)
-    grad_out = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-    cu = torch.arange(0, (b + 1) * s, s, device="cuda", dtype=torch.int32)
-    kwargs = packed_attention_kwargs(cu, s, total_tokens=b * s)
+        reference = results(candidates[-1][1])
+        for name, fn in candidates[:-1]:
+            if isinstance(fn, Exception):
+                print(f"{layout:28} {name:24} unavailable: {type(fn).__name__}: {str(fn)[:80]}")
+                continue
+            try:
+                errors = [((a - b).norm() / b.norm()).item() for a, b in zip(results(fn), reference)]
+                leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
 
-    def ligertune_packed():
-        out, _ = packed_attention_forward(torch.nn.Module(), q, k, v, None, scaling=d**-0.5, **kwargs)
-        return out  # [B, L, Hq, D]
+                def step(fn=fn, leaves=leaves):
+                    for x in leaves:
+                        x.grad = None
+                    fn(*leaves).backward(grad)
 
-    def sdpa(backend=None):
-        def run():
-            from torch.nn.attention import sdpa_kernel
-
-            context = sdpa_kernel(backend) if backend is not None else contextlib.nullcontext()
-            with context:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d**-0.5, enable_gqa=True)
-            return out.transpose(1, 2)
-
-        return run
-
-    from torch.nn.attention import SDPBackend
-
-    variants = [
-        ("ligertune packed (as trained)", ligertune_packed),
-        ("SDPA causal, GQA (default backend)", sdpa()),
-        ("SDPA causal, GQA, flash", sdpa(SDPBackend.FLASH_ATTENTION)),
-        ("SDPA causal, GQA, cuDNN", sdpa(SDPBackend.CUDNN_ATTENTION)),
-    ]
-    reference = None
-    rows = []
-    for name, fn in variants:
-        try:
-            with torch.no_grad():
-                out = fn().float()
-            if reference is None:
-                reference = out
-            err = ((out - reference).norm() / reference.norm()).item()
-
-            def step(fn=fn):
-                for t in (q, k, v):
-                    t.grad = None
-                fn().backward(grad_out)
-
-            fwd = measure(lambda fn=fn: fn(), device="cuda", repeats=20, memory=False).median_ms
-            both = measure(step, device="cuda", repeats=20, memory=False).median_ms
-            rows.append((name, fwd, both, err))
-        except Exception as exc:  # a backend that does not run here is a row saying so
-            rows.append((name, None, None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:70]}"))
-
-    print(f"attention B{b} L{s} Hq{hq} Hk{hk} D{d} bf16, torch {torch.__version__}, {torch.cuda.get_device_name()}")
-    print(f"{'variant':38} {'fwd ms':>8} {'fwd+bwd ms':>11} {'x layers (fwd x2 + bwd)':>24}  error vs first")
-    for name, fwd, both, err in rows:
-        if fwd is None:
-            print(f"{name:38} {'-':>8} {'-':>11} {'-':>24}  {err}")
-            continue
-        # With gradient checkpointing a step runs the forward twice and the backward once.
-        per_step = args.layers * (both + fwd)
-        print(f"{name:38} {fwd:8.3f} {both:11.3f} {per_step:24.1f}  {err:.1e}")
+                fwd = measure(lambda fn=fn: fn(q, k, v), device="cuda", repeats=20, memory=False).median_ms
+                both = measure(step, device="cuda", repeats=20, memory=False).median_ms
+                print(f"{layout:28} {name:24} {fwd:8.3f} {both:8.3f}  " + " / ".join(f"{e:.1e}" for e in errors))
+            except Exception as exc:
+                print(f"{layout:28} {name:24} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,192 @@
+"""Where a training step's time and memory go, ligertune next to HF + Liger; and the loss's chunk budget.
+
+    python3 scripts/probe_step.py step     # recipes/bench/llama-3.2-1b.yaml, one step of each variant
+    python3 scripts/probe_step.py chunks   # fused loss, forward + backward, at several chunk budgets
+
+`step` runs `bench step`'s variants (ligertune, HF, HF + Liger when importable) and, after two
+warm-up steps of each, one more step under the profiler and one under the allocator's history:
+
+- device time by kernel kind (GEMMs and attention, the loss's row kernel, norms, RoPE, SwiGLU,
+  optimizer, copies and elementwise kernels);
+- peak memory by phase (forward, backward, clipping + optimizer step);
+- at the step's peak, the live allocations by the line of Python that made them.
+
+`chunks` times ligertune's fused loss at `bench kernels`' three shapes with chunk budgets from
+64 MiB to 1 GiB, next to Liger-Kernel's when importable. CUDA only.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ligertune.bench.timing import measure  # noqa: E402
+
+RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "bench" / "llama-3.2-1b.yaml"
+SHAPES = [(8192, 4096, 128256), (16384, 2048, 128256), (4096, 3584, 152064)]
+CHUNK_MIB = (64, 96, 120, 128, 1024)
+
+KINDS = [  # first match wins
+    ("attention", r"sdpa|flash|fmha|attention"),
+    ("GEMM", r"nvjet|gemm|cutlass|xmma"),
+    ("loss rows", r"cross_entropy"),
+    ("norm", r"rms_norm"),
+    ("rope", r"rope"),
+    ("swiglu", r"swiglu|silu"),
+    ("optimizer", r"FusedOpti|multi_tensor|foreach|norm_kernel|reduce_kernel"),
+    ("copy/elementwise", r"elementwise|copy|Cat|index|fill|embedding|scatter|gather|Memset"),
+]
+
+
+def kind_of(kernel: str) -> str:
+    return next((kind for kind, pattern in KINDS if re.search(pattern, kernel, re.IGNORECASE)), "other")
+
+
+def profile_kinds(step) -> dict[str, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    by_kind: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        by_kind[kind_of(event.key)] += event.device_time_total / 1e3
+    return dict(by_kind)
+
+
+def _site(frames) -> str:
+    ours = [f for f in frames if any(k in f["filename"] for k in ("ligertune", "transformers", "liger_kernel"))]
+    f = (ours or frames or [{"filename": "(no Python frame)", "line": 0, "name": ""}])[0]
+    return f"{Path(f['filename']).name}:{f['line']} {f['name']}".strip()
+
+
+def peak_allocations(step) -> tuple[float, list[tuple[str, float, int]]]:
+    """The step's own peak (GiB above what was allocated before it) and what was live then, by site."""
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    step()
+    torch.cuda.synchronize()
+    trace = torch.cuda.memory._snapshot()["device_traces"][0]
+    torch.cuda.memory._record_memory_history(enabled=None)
+    live: dict[int, tuple[int, str]] = {}
+    total = peak = 0
+    at_peak: dict[int, tuple[int, str]] = {}
+    for event in trace:
+        if event["action"] == "alloc":
+            live[event["addr"]] = (event["size"], _site(event.get("frames", [])))
+            total += event["size"]
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])[0]
+    sites: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for size, site in at_peak.values():
+        sites[site][0] += size
+        sites[site][1] += 1
+    ranked = sorted(((s, b / 2**20, n) for s, (b, n) in sites.items()), key=lambda r: -r[1])
+    return peak / 2**30, ranked
+
+
+def probe_step() -> None:
+    from ligertune.bench import step as bench_step
+    from ligertune.recipe import load_recipe
+
+    phases: list[tuple[str, float]] = []
+    recording = [False]  # only the probed step marks its phases
+    original = (bench_step._StepBench._time, bench_step._StepBench._finish_step, torch.Tensor.backward)
+
+    def mark(phase: str) -> None:
+        if recording[0]:
+            phases.append((phase, torch.cuda.max_memory_allocated() / 2**30))
+            torch.cuda.reset_peak_memory_stats()
+
+    def backward(self, *args, **kwargs):
+        mark("forward")
+        out = original[2](self, *args, **kwargs)
+        mark("backward")
+        return out
+
+    def finish(self, optimizer, params):
+        original[1](self, optimizer, params)
+        mark("clip + optimizer")
+
+    def probe(self, name, layout, steps, *args, **kwargs):
+        if layout == "synthetic":
+            step = steps[0]
+            step()
+            step()
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated() / 2**30
+            torch.cuda.reset_peak_memory_stats()
+            torch.Tensor.backward = backward
+            phases.clear()
+            recording[0] = True
+            try:
+                step()
+            finally:
+                torch.Tensor.backward = original[2]
+                recording[0] = False
+            kinds = profile_kinds(step)
+            peak, sites = peak_allocations(step)
+            print(f"\n{name}: {sum(kinds.values()):.1f} ms of kernels: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))
+            print("  peak GiB by phase: " + ", ".join(f"{p} {g:.2f}" for p, g in phases))
+            print(f"  at the peak ({base:.2f} GiB before the step + {peak:.2f}), live by site:")
+            for site, mib, count in sites[:12]:
+                print(f"    {mib:8.1f} MiB {count:4d}x  {site}")
+        return original[0](self, name, layout, steps, *args, **kwargs)
+
+    bench_step._StepBench._time = probe
+    bench_step._StepBench._finish_step = finish
+    try:
+        config = bench_step.StepBenchConfig(steps=3, warmup=1, chat=False, measure_matmul=False)
+        report = bench_step.run_step_bench(load_recipe(RECIPE), config)
+    finally:
+        bench_step._StepBench._time, bench_step._StepBench._finish_step = original[:2]
+    print()
+    for row in report.rows:
+        if row.step_ms:
+            print(f"{row.name:12} {row.step_ms:7.1f} ms/step {row.tokens_per_s:9,.0f} tokens/s "
+                  f"peak {row.peak_mem_gib:.3f} GiB")
+        else:
+            print(f"{row.name:12} {row.status}: {row.detail}")
+
+
+def probe_chunks() -> None:
+    from ligertune import kernels
+    from ligertune.bench.kernels import flce_problem
+    from ligertune.bench.peers import find_peer
+
+    liger = find_peer("liger").available
+    for n, h, v in SHAPES:
+        x = flce_problem({"N": n, "H": h, "V": v}, torch.device("cuda"), torch.bfloat16, 0).inputs
+        runs = {f"ligertune {mib} MiB": (lambda mib=mib: kernels.fused_linear_cross_entropy(
+            x["hidden"], x["weight"], x["targets"], chunk_bytes=mib << 20).loss) for mib in CHUNK_MIB}
+        if liger:
+            from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+            runs["Liger-Kernel"] = lambda: LigerFusedLinearCrossEntropyLoss()(x["weight"], x["hidden"], x["targets"])
+        for name, loss in runs.items():
+            def step(loss=loss):
+                x["hidden"].grad = x["weight"].grad = None
+                loss().backward()
+
+            t = measure(step, device="cuda", repeats=10)
+            print(f"N{n} H{h} V{v}  {name:20} {t.median_ms:8.2f} ms  extra {t.extra_peak_mib:7.1f} MiB")
+        del x
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        sys.exit("this probe needs CUDA")
+    what = sys.argv[1] if len(sys.argv) > 1 else "step"
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}")
+    {"step": probe_step, "chunks": probe_chunks}[what]()

@@ -8,7 +8,8 @@ clipping when `optim.max_grad_norm` is set, optimizer step), for each of:
 
     ligertune       patched by the recipe's `kernels` flags, loss through `CausalLMLoss` (fused
                     linear cross-entropy), packed attention; the batch laid out as `collate` lays
-                    out packs (one [1, B * L] row, each sequence kept apart by cu_seqlens)
+                    out packs (one [1, B * L] row, each sequence kept apart by cu_seqlens; being
+                    of one length, they go through SDPA as rows)
     HF (sdpa)       the plain `transformers` model, sdpa attention, its own loss on the logits
                     (`model(input_ids, labels=input_ids)`)
     HF + Liger      the same with Liger-Kernel applied to the instance, when importable

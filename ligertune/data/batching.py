@@ -17,6 +17,7 @@ import torch
 
 from ligertune.data.chat import IGNORE_INDEX, TokenizedExample
 from ligertune.data.packing import Pack, shift_labels
+from ligertune.devices import to_device
 
 
 @dataclass
@@ -124,17 +125,10 @@ def collate_padded(items: Sequence[TokenizedExample | Pack], pad_id: int) -> Pad
 
 
 def _to(batch, device: torch.device | str, keep_on_host: tuple[str, ...] = ()):
-    """The batch with its tensors on `device`; to a GPU through pinned memory, without waiting."""
-    device = torch.device(device)
-
-    def move(value: torch.Tensor) -> torch.Tensor:
-        if device.type == "cuda" and value.device.type == "cpu":
-            value = value.pin_memory()
-        return value.to(device, non_blocking=True)
-
-    moved = {
-        f.name: move(value) if isinstance(value, torch.Tensor) and f.name not in keep_on_host else value
-        for f in fields(batch)
-        for value in [getattr(batch, f.name)]
-    }
+    """The batch with its tensors (but those named in `keep_on_host`) on `device`, without waiting."""
+    moved = {}
+    for f in fields(batch):
+        value = getattr(batch, f.name)
+        movable = isinstance(value, torch.Tensor) and f.name not in keep_on_host
+        moved[f.name] = to_device(value, device) if movable else value
     return type(batch)(**moved)

@@ -40,6 +40,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from ligertune.devices import to_device
+
 PACKED_ATTENTION = "ligertune_packed"
 """The `attn_implementation` name under which `register_packed_attention` installs this module."""
 
@@ -101,15 +103,8 @@ def packed_attention_kwargs(
             raise ValueError(f"max_seqlen={int(max_seqlen)} is shorter than the longest segment ({longest})")
         longest = int(max_seqlen)
     if device is not None:
-        cu = _to_device(cu, torch.device(device)) if on_host else cu.to(device)
+        cu = to_device(cu, device) if on_host else cu.to(device)
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
-
-
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`; to a GPU through pinned memory, so that the host does not wait."""
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -247,40 +247,36 @@ def _required(record: dict, key: str, fmt: str) -> Any:
 
 
 def _messages(items: Any, key: str, *, first_number: int = 1) -> list[Message]:
+    """OpenAI-style `{"role", "content"}` messages."""
+    return _turns(items, key, "messages", {r: r for r in ROLES}, "role", "role", "content", first_number)
+
+
+def _sharegpt(items: Any) -> list[Message]:
+    """ShareGPT `{"from", "value"}` turns, speakers mapped to roles."""
+    return _turns(items, "conversations", "turns", SHAREGPT_ROLES, "from", "`from`", "value", 1)
+
+
+def _turns(
+    items: Any, key: str, noun: str, roles: dict[str, str], role_key: str, role_name: str, content_key: str,
+    first_number: int,
+) -> list[Message]:
+    """The messages of a list of turn objects; `roles` maps each accepted `role_key` value to a role."""
     if not isinstance(items, list):
-        raise RecordError(f"`{key}` must be a list of messages, got {_kind(items)}")
+        raise RecordError(f"`{key}` must be a list of {noun}, got {_kind(items)}")
     if not items:
         raise RecordError("empty conversation")
     out = []
     for number, item in enumerate(items, first_number):
         if not isinstance(item, dict):
             raise RecordError(f"message {number} is not an object (got {_kind(item)})")
-        if "role" not in item:
-            raise RecordError(f"message {number} has no `role`")
-        role = item["role"]
-        if role not in ROLES:
-            raise RecordError(f"message {number} has unknown role {role!r} (expected {', '.join(ROLES)})")
-        out.append({"role": role, "content": _content(item, "content", number)})
-    return out
-
-
-def _sharegpt(items: Any) -> list[Message]:
-    if not isinstance(items, list):
-        raise RecordError(f"`conversations` must be a list of turns, got {_kind(items)}")
-    if not items:
-        raise RecordError("empty conversation")
-    out = []
-    for number, item in enumerate(items, 1):
-        if not isinstance(item, dict):
-            raise RecordError(f"message {number} is not an object (got {_kind(item)})")
-        if "from" not in item:
-            raise RecordError(f"message {number} has no `from`")
-        speaker = item["from"]
-        if speaker not in SHAREGPT_ROLES:
+        if role_key not in item:
+            raise RecordError(f"message {number} has no `{role_key}`")
+        speaker = item[role_key]
+        if not isinstance(speaker, str) or speaker not in roles:
             raise RecordError(
-                f"message {number} has unknown `from` {speaker!r} (expected {', '.join(SHAREGPT_ROLES)})"
+                f"message {number} has unknown {role_name} {speaker!r} (expected {', '.join(roles)})"
             )
-        out.append({"role": SHAREGPT_ROLES[speaker], "content": _content(item, "value", number)})
+        out.append({"role": roles[speaker], "content": _content(item, content_key, number)})
     return out
 
 

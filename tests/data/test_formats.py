@@ -89,6 +89,8 @@ MALFORMED = [
                  id="missing-content"),
     pytest.param({"conversations": [{"from": "human", "value": "Hi"}, {"from": "bot", "value": "Hello"}]},
                  "sharegpt", "message 2 has unknown `from` 'bot'", id="sharegpt-unknown-from"),
+    pytest.param({"conversations": [{"from": ["human"], "value": "Hi"}]},
+                 "sharegpt", "message 1 has unknown `from` ['human']", id="sharegpt-from-not-a-string"),
     pytest.param({"prompt": 3, "completion": "Hello"}, "prompt_completion",
                  "`prompt` must be a string or a list of messages, got int", id="prompt-not-string"),
     pytest.param({"conversations": []}, "messages", "missing `messages` (format messages)",

@@ -1,8 +1,67 @@
-"""Moving tensors to the device without making the host wait."""
+"""Where tensors live: choosing the device and dtype, moving tensors there, giving memory back."""
 
 from __future__ import annotations
 
+import gc
+import platform
+
 import torch
+
+from ligertune.errors import UserError
+
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+
+
+def resolve_device(name: str, *, key: str = "train.device") -> torch.device:
+    """`auto` is CUDA when available, else the CPU; `cuda` without a GPU is the user's mistake
+    (reported under `key`, the recipe key or option that asked for it)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda"):
+        raise UserError(f"{key}: must be auto, cpu or cuda, got {name!r}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"{key}: cuda was asked for but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str | torch.dtype | None, device: torch.device | str, *,
+                  key: str = "model.dtype") -> torch.dtype:
+    """`auto` (or None) is bfloat16 on CUDA and float32 elsewhere; other names (`bfloat16`, `bf16`,
+    ...) map to their torch dtype."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name is None or name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise UserError(f"{key}: must be auto, float32, bfloat16 or float16, got {name!r}")
+    return DTYPES[name]
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's with the number of threads torch uses."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the device's queued work (a no-op on the CPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def release_memory(device: torch.device | str) -> None:
+    """Free what dropped objects still hold: Python garbage, then CUDA's cached blocks."""
+    gc.collect()
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
 
 
 def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:

@@ -26,10 +26,11 @@ import torch
 
 from ligertune.data import Batch, TokenizedExample, collate, collate_padded, pack, packs_of_one, prepare_data
 from ligertune.errors import UserError
-from ligertune.models import CausalLMLoss, build_model, load_tokenizer, patch_model, resolve_dtype, unpatch_model
+from ligertune.devices import resolve_device, resolve_dtype
+from ligertune.models import CausalLMLoss, build_model, load_tokenizer, patch_model, unpatch_model
 from ligertune.recipe import LossConfig, Recipe
 from ligertune.training.normalization import step_token_weights
-from ligertune.training.trainer import pad_token_id, resolve_device, wrap_lora
+from ligertune.training.trainer import pad_token_id, wrap_lora
 
 MODES = ("token", "sequence", "sum")
 

@@ -56,7 +56,7 @@ from ligertune.bench.timing import measure, synchronize
 from ligertune.errors import UserError
 from ligertune.recipe import Recipe
 from ligertune.training.normalization import step_token_weights
-from ligertune.training.trainer import resolve_device
+from ligertune.devices import resolve_device, resolve_dtype
 
 PEAK_BF16_TFLOPS = (
     # (substring of the device name, dense bf16 TFLOP/s from the data sheet); first match wins.
@@ -157,7 +157,6 @@ def run_step_bench(
     import datetime
 
     from ligertune.bench.kernels import device_name
-    from ligertune.models import resolve_dtype
 
     if config.steps < 1 or config.warmup < 0:
         raise UserError("--steps must be >= 1 and --warmup >= 0")

@@ -23,7 +23,6 @@ from ligertune.models.loading import (
     build_model,
     check_model,
     load_tokenizer,
-    resolve_dtype,
 )
 from ligertune.models.patching import (
     PATCH_TABLE,
@@ -57,7 +56,6 @@ __all__ = [
     "packed_attention_mask",
     "patch_model",
     "register_packed_attention",
-    "resolve_dtype",
     "unpatch_model",
     "unwrap_model",
 ]

@@ -10,26 +10,14 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
+from ligertune.devices import resolve_dtype
 from ligertune.errors import UserError
 from ligertune.models.attention import register_packed_attention
 from ligertune.models.presets import PRESETS, preset_fields
 from ligertune.recipe import ModelConfig
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 # Config keys `transformers` still accepts under their older names (and converts).
 _LEGACY_CONFIG_KEYS = frozenset({"rope_theta", "rope_scaling", "torch_dtype"})
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str) -> torch.dtype:
-    """`auto` is bfloat16 on CUDA and float32 elsewhere; the other names map to their torch dtype."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise UserError(f"model.dtype: must be auto or one of {', '.join(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype]
 
 
 def attn_implementation(attention: str) -> str:

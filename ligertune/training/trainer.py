@@ -34,7 +34,8 @@ from ligertune.data import (
 )
 from ligertune.errors import UserError
 from ligertune.kernels import active_path
-from ligertune.models import CausalLMLoss, build_model, load_tokenizer, patch_model, resolve_dtype
+from ligertune.devices import resolve_device, resolve_dtype
+from ligertune.models import CausalLMLoss, build_model, load_tokenizer, patch_model
 from ligertune.recipe import LoraConfig, Recipe, dump_recipe
 from ligertune.training.checkpoint import MetricsLog, save_model, write_atomic_text
 from ligertune.training.display import TrainProgress, sample_table, summary_table
@@ -87,14 +88,6 @@ def train(recipe: Recipe, *, console: Console | None = None) -> TrainResult:
 
 # --------------------------------------------------------------------------------------------------
 # setup
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise UserError("train.device: cuda was asked for but no CUDA device is available")
-        return torch.device("cuda")
-    return torch.device("cpu")
 
 
 def prepare_output_dir(path: Path, overwrite: bool) -> Path:

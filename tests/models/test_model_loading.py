@@ -7,6 +7,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from ligertune.devices import resolve_dtype
 from ligertune.errors import UserError
 from ligertune.models import (
     PACKED_ATTENTION,
@@ -14,7 +15,6 @@ from ligertune.models import (
     build_config,
     build_model,
     load_tokenizer,
-    resolve_dtype,
 )
 from ligertune.recipe import ModelConfig
 

@@ -161,7 +161,7 @@ def probe_step() -> None:
 
 def probe_chunks() -> None:
     from ligertune import kernels
-    from ligertune.bench.kernels import flce_problem
+    from ligertune.bench.problems import flce_problem
     from ligertune.bench.peers import find_peer
 
     liger = find_peer("liger").available

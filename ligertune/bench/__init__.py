@@ -4,13 +4,8 @@
     report = run_kernel_bench(KernelBenchConfig(kernels=("flce",)))
 """
 
-from ligertune.bench.kernels import (
-    KernelBenchConfig,
-    KernelReport,
-    KernelRow,
-    relative_error,
-    run_kernel_bench,
-)
+from ligertune.bench.kernels import KernelBenchConfig, run_kernel_bench
+from ligertune.bench.results import KernelReport, KernelRow
 from ligertune.bench.step import StepBenchConfig, StepReport, StepRow, run_step_bench
 from ligertune.bench.timing import Timing, measure
 
@@ -23,7 +18,6 @@ __all__ = [
     "StepRow",
     "Timing",
     "measure",
-    "relative_error",
     "run_kernel_bench",
     "run_step_bench",
 ]

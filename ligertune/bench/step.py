@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import importlib
 import math
 import random
@@ -51,12 +50,12 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ligertune.bench.peers import NOT_INSTALLED, find_peer, versions
-from ligertune.bench.kernels import describe_error
-from ligertune.bench.timing import measure, synchronize
+from ligertune.bench.results import describe_error
+from ligertune.bench.timing import measure
+from ligertune.devices import device_name, release_memory, resolve_device, resolve_dtype, synchronize
 from ligertune.errors import UserError
 from ligertune.recipe import Recipe
 from ligertune.training.normalization import step_token_weights
-from ligertune.devices import resolve_device, resolve_dtype
 
 PEAK_BF16_TFLOPS = (
     # (substring of the device name, dense bf16 TFLOP/s from the data sheet); first match wins.
@@ -156,8 +155,6 @@ def run_step_bench(
     """Time the recipe's training step with ligertune, plain HF and HF + Liger, then packed vs padded chat."""
     import datetime
 
-    from ligertune.bench.kernels import device_name
-
     if config.steps < 1 or config.warmup < 0:
         raise UserError("--steps must be >= 1 and --warmup >= 0")
     device = resolve_device(recipe.train.device)
@@ -234,7 +231,7 @@ class _StepBench:
         except Exception as err:  # one broken variant must not hide the others
             self.report.rows.append(StepRow(name, layout, status="failed", detail=describe_error(err)))
         finally:
-            _release(self.device)
+            release_memory(self.device)
 
     # ---- building
 
@@ -384,7 +381,7 @@ class _StepBench:
                 rows.append(StepRow(name, "chat", status="failed", detail=describe_error(err)))
             finally:
                 clear()
-                _release(self.device)
+                release_memory(self.device)
         return rows
 
     # ---- timing
@@ -552,10 +549,3 @@ def _restored_module(name: str) -> Iterator[None]:
         for key, value in saved.items():
             if current.get(key) is not value:
                 setattr(module, key, value)
-
-
-def _release(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()

@@ -143,9 +143,3 @@ def _wall_times(fn: Callable[[], Any], prepare: Callable[[], None], repeats: int
         fn()
         times.append((time.perf_counter() - start) * 1e3)
     return times
-
-
-def synchronize(device: torch.device | str) -> None:
-    """Wait for the device's queued work (a no-op on a CPU)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)

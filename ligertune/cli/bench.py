@@ -84,8 +84,9 @@ def kernels(
 
     Example: [bold]ligertune bench kernels -k flce --shapes flce:8192x4096x128256 --json bench.json[/]
     """
-    from ligertune.bench.kernels import KernelBenchConfig, parse_shape, run_kernel_bench
+    from ligertune.bench.kernels import KernelBenchConfig, run_kernel_bench
     from ligertune.bench.report import kernel_tables, plot_kernels, require_matplotlib, write_json
+    from ligertune.bench.shapes import parse_shape
     from ligertune.errors import UserError
 
     names = tuple(k.strip().replace("-", "_") for k in kernels_.split(",") if k.strip())

@@ -13,7 +13,8 @@ import torch
 from typer.testing import CliRunner
 
 from ligertune.bench import kernels as bench_kernels
-from ligertune.bench.kernels import Impl, parse_shape
+from ligertune.bench.problems import Impl, swiglu_problem
+from ligertune.bench.shapes import parse_shape
 from ligertune.cli.bench import app
 from ligertune.errors import UserError
 
@@ -119,8 +120,8 @@ def test_plot_without_matplotlib_is_one_clear_error(monkeypatch, tmp_path):
         pytest.param(["--shapes", "flce:3x4"], "takes NxHxV", id="too-few-dims"),
         pytest.param(["--shapes", "gelu:3x4"], "KERNEL one of", id="unknown-kernel-in-shape"),
         pytest.param(["--kernels", "flce,gelu"], "unknown gelu", id="unknown-kernel"),
-        pytest.param(["--device", "tpu"], "--device must be", id="bad-device"),
-        pytest.param(["--dtype", "int8"], "--dtype must be", id="bad-dtype"),
+        pytest.param(["--device", "tpu"], "--device: must be", id="bad-device"),
+        pytest.param(["--dtype", "int8"], "--dtype: must be", id="bad-dtype"),
     ],
 )
 def test_user_mistakes_exit_2_with_one_line(args, message):
@@ -151,7 +152,7 @@ def test_parse_shape_rejects(text):
 def test_a_row_that_writes_into_its_inputs_does_not_spoil_the_next():
     """A peer that modifies its inputs in place (as some fused ops do) must not change what later
     rows run on, nor their comparison with the reference."""
-    problem = bench_kernels.swiglu_problem({"T": 11, "I": 23}, torch.device("cpu"), torch.float32, seed=3)
+    problem = swiglu_problem({"T": 11, "I": 23}, torch.device("cpu"), torch.float32, seed=3)
     honest = problem.impls[1]
 
     def vandal(x):

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from ligertune.bench.kernels import relative_error
 from ligertune.bench.timing import measure
+from ligertune.numerics import relative_error
 
 
 def _matmuls(n_products: int, size: int = 96):

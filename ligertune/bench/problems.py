@@ -1,0 +1,321 @@
+"""The problems of `ligertune bench kernels`: for one kernel at one shape, the inputs and the rows
+that run on them.
+
+Every implementation of a problem runs on the same inputs:
+
+    ligertune          the public `ligertune.kernels` function (Triton on CUDA; on a CPU the
+                       reference, or the Triton interpreter under LIGERTUNE_KERNELS=triton)
+    torch eager        the usual PyTorch/transformers formulation; for the loss:
+                       logits = h @ W.T in the input dtype, then float32 cross_entropy
+    torch.compile      that same eager function through torch.compile (a failure is reported)
+    liger              Liger-Kernel's op, when importable
+    cce, cce exact     Cut Cross-Entropy's `linear_cross_entropy` with its default gradient
+                       filtering, and with filtering off (exact gradients), when importable
+
+and, for the fused loss only, ligertune with every option on (z-loss, label smoothing, token
+weights; accuracy is always computed), ligertune with a 120 MiB logits budget, and the floor: the
+three bare GEMMs of any linear + cross-entropy (h @ W.T, dlogits @ W, dlogits.T @ h).
+
+Each problem also carries its reference (`ligertune.kernels.reference`, which the runner calls on
+the inputs cast to a higher precision) and the nominal work of one forward + backward, the same for
+every row of a shape:
+
+    fused loss:      6 N H V flops (forward logits 2NHV, the two backward products 4NHV), ignored
+                     rows included: an implementation that skips them shows a higher rate
+    rms_norm:        bytes of x, w, y (forward) + dy, x, w, dx, dw (backward)
+    swiglu:          bytes of gate, up, y (forward) + dy, gate, up, dgate, dup (backward)
+    rope:            bytes of q, k, cos, sin, q', k' (forward) + the same count backward
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ligertune.bench.shapes import SHAPE_DIMS
+
+IGNORED_FRACTION = 0.1
+"""Share of targets set to ignore_index, as prompt tokens of chat data would be (on the low side)."""
+
+LOW_MEMORY_CHUNK_BYTES = 120 * 2**20
+"""The low-memory setting: a logits buffer that keeps the loss's extra memory under 128 MiB."""
+Z_LOSS_WEIGHT = 1e-4
+LABEL_SMOOTHING = 0.1
+RMS_EPS = 1e-6
+LIGERTUNE = "ligertune"
+FLOOR = "3 GEMMs (floor)"
+
+
+@dataclass
+class Impl:
+    """One row: `run(inputs)` returns the outputs whose (sum with upstream gradients) is backpropagated.
+
+    semantics: the reference the row is checked against ("plain" or "options").
+    manual: `run` does all its work itself (the GEMM floor): no backward, no error.
+    """
+
+    name: str
+    run: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, ...]] | None
+    peer: str | None = None
+    compiled: bool = False
+    semantics: str = "plain"
+    manual: bool = False
+
+
+@dataclass
+class Problem:
+    """One kernel at one shape: leaf inputs, upstream gradients, names of what is compared, work counts."""
+
+    kernel: str
+    dims: dict[str, int]
+    inputs: dict[str, torch.Tensor]
+    grad_outputs: tuple[torch.Tensor, ...] | None  # None: the single output is a scalar loss
+    output_names: tuple[str, ...]
+    reference: Callable[[dict[str, torch.Tensor], str], tuple[torch.Tensor, ...]]
+    impls: list[Impl]
+    flops: float | None = None
+    bytes: float | None = None
+
+    @property
+    def leaves(self) -> list[tuple[str, torch.Tensor]]:
+        return [(name, t) for name, t in self.inputs.items() if t.requires_grad]
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _randn(shape, *, gen, device, dtype, scale: float = 1.0, grad: bool = False) -> torch.Tensor:
+    t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).mul_(scale).to(dtype)
+    return t.requires_grad_(grad)
+
+
+def flce_problem(dims: dict[str, int], device: torch.device, dtype: torch.dtype, seed: int) -> Problem:
+    n, h, v = dims["N"], dims["H"], dims["V"]
+    gen = _generator(device, seed)
+    # Logits of standard deviation ~2, about what a trained LM head gives.
+    hidden = _randn((n, h), gen=gen, device=device, dtype=dtype, grad=True)
+    weight = _randn((v, h), gen=gen, device=device, dtype=dtype, scale=2.0 / math.sqrt(h), grad=True)
+    targets = torch.randint(0, v, (n,), generator=gen, device=device)
+    ignored = torch.rand(n, generator=gen, device=device) < IGNORED_FRACTION
+    targets = targets.masked_fill(ignored, -100)
+    n_supervised = max(1, int((~ignored).sum().item()))
+    # Step-normalized weights as the trainer passes them (sum reduction): about 1 / |T| each.
+    token_weights = (0.5 + torch.rand(n, generator=gen, device=device)) / n_supervised
+    inputs = {"hidden": hidden, "weight": weight, "targets": targets, "token_weights": token_weights}
+
+    from ligertune import kernels
+    from ligertune.kernels import reference
+
+    path = kernels.active_path(device)
+
+    def ours(x, **options):
+        return (kernels.fused_linear_cross_entropy(x["hidden"], x["weight"], x["targets"], **options).loss,)
+
+    options = dict(z_loss_weight=Z_LOSS_WEIGHT, label_smoothing=LABEL_SMOOTHING, reduction="sum")
+
+    def ours_options(x):
+        return ours(x, token_weights=x["token_weights"], **options)
+
+    def ref(x, semantics):
+        extra = dict(token_weights=x["token_weights"], **options) if semantics == "options" else {}
+        return (reference.fused_linear_cross_entropy(x["hidden"], x["weight"], x["targets"], **extra).loss,)
+
+    def liger(x):
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+        return (LigerFusedLinearCrossEntropyLoss()(x["weight"], x["hidden"], x["targets"]),)
+
+    def cce(x, **kwargs):
+        from cut_cross_entropy import linear_cross_entropy
+
+        return (linear_cross_entropy(x["hidden"], x["weight"], x["targets"], **kwargs),)
+
+    def eager(x):
+        return (_eager_flce(x["hidden"], x["weight"], x["targets"]),)
+
+    floor = GemmFloor(n, h, v, device, dtype, gen)
+    impls = [
+        Impl(f"{LIGERTUNE} ({path})", ours),
+        Impl(f"{LIGERTUNE} +options", ours_options, semantics="options"),
+        Impl(f"{LIGERTUNE} low-mem ({LOW_MEMORY_CHUNK_BYTES >> 20} MiB chunks)",
+             lambda x: ours(x, chunk_bytes=LOW_MEMORY_CHUNK_BYTES)),
+        Impl("torch eager", eager),
+        Impl("torch.compile", eager, compiled=True),
+        Impl("liger", liger, peer="liger"),
+        Impl("cce", cce, peer="cce"),
+        Impl("cce exact", lambda x: cce(x, filter_eps=None), peer="cce"),
+        Impl(FLOOR, floor, manual=True),
+    ]
+    return Problem(
+        "flce", dims, inputs, None, ("loss", "grad_hidden", "grad_weight"), ref, impls, flops=6.0 * n * h * v
+    )
+
+
+def _eager_flce(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The loss as `transformers` computes it: logits in the input dtype, upcast, then cross-entropy."""
+    logits = hidden @ weight.t()
+    return F.cross_entropy(logits.float(), targets, ignore_index=-100)
+
+
+class GemmFloor:
+    """The three products of any linear + cross-entropy, into preallocated outputs, without autograd:
+    logits = h @ W.T, grad_h = dlogits @ W, grad_W = dlogits.T @ h. Buffers are allocated by the
+    first (warm-up) call, so that they count neither in the time nor in the extra memory."""
+
+    def __init__(self, n: int, h: int, v: int, device: torch.device, dtype: torch.dtype,
+                 gen: torch.Generator):
+        self.shapes = {"logits": (n, v), "dlogits": (n, v), "grad_h": (n, h), "grad_w": (v, h)}
+        self.device, self.dtype, self.gen = device, dtype, gen
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def __call__(self, x: dict[str, torch.Tensor]) -> tuple:
+        if not self.buffers:
+            self.buffers = {
+                name: torch.empty(shape, device=self.device, dtype=self.dtype)
+                for name, shape in self.shapes.items()
+            }
+            # Products of random data: zeros would run faster than real gradients do.
+            self.buffers["dlogits"] = _randn(
+                self.shapes["dlogits"], gen=self.gen, device=self.device, dtype=self.dtype, scale=1e-3
+            )
+        b = self.buffers
+        hidden, weight = x["hidden"].detach(), x["weight"].detach()
+        torch.mm(hidden, weight.t(), out=b["logits"])
+        torch.mm(b["dlogits"], weight, out=b["grad_h"])
+        torch.mm(b["dlogits"].t(), hidden, out=b["grad_w"])
+        return ()
+
+    def release(self) -> None:
+        self.buffers = {}
+
+
+def rms_norm_problem(dims: dict[str, int], device: torch.device, dtype: torch.dtype, seed: int) -> Problem:
+    t, h = dims["T"], dims["H"]
+    gen = _generator(device, seed)
+    x = _randn((t, h), gen=gen, device=device, dtype=dtype, grad=True)
+    w = (1.0 + 0.1 * torch.randn(h, generator=gen, device=device)).to(dtype).requires_grad_(True)
+    dy = _randn((t, h), gen=gen, device=device, dtype=dtype)
+    inputs = {"x": x, "weight": w}
+
+    from ligertune import kernels
+    from ligertune.kernels import reference
+
+    def liger(z):
+        from liger_kernel.transformers.functional import liger_rms_norm
+
+        return (liger_rms_norm(z["x"], z["weight"], RMS_EPS),)
+
+    def ours(z):
+        return (kernels.rms_norm(z["x"], z["weight"], RMS_EPS),)
+
+    impls = [
+        Impl(f"{LIGERTUNE} ({kernels.active_path(device)})", ours),
+        Impl("torch eager", lambda z: (_eager_rms_norm(z["x"], z["weight"]),)),
+        Impl("torch.compile", lambda z: (_eager_rms_norm(z["x"], z["weight"]),), compiled=True),
+        Impl("liger", liger, peer="liger"),
+    ]
+    e = x.element_size()
+    n_bytes = (5 * t * h + 3 * h) * e
+    return Problem(
+        "rms_norm", dims, inputs, (dy,), ("y", "grad_x", "grad_weight"),
+        lambda z, _: (reference.rms_norm(z["x"], z["weight"], RMS_EPS),), impls, bytes=n_bytes,
+    )
+
+
+def _eager_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`LlamaRMSNorm.forward`: normalize in float32, round to the input dtype, then scale."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + RMS_EPS)
+    return weight * normed.to(x.dtype)
+
+
+def swiglu_problem(dims: dict[str, int], device: torch.device, dtype: torch.dtype, seed: int) -> Problem:
+    t, i = dims["T"], dims["I"]
+    gen = _generator(device, seed)
+    gate = _randn((t, i), gen=gen, device=device, dtype=dtype, grad=True)
+    up = _randn((t, i), gen=gen, device=device, dtype=dtype, grad=True)
+    dy = _randn((t, i), gen=gen, device=device, dtype=dtype)
+
+    from ligertune import kernels
+    from ligertune.kernels import reference
+
+    def liger(z):
+        from liger_kernel.transformers.functional import liger_swiglu
+
+        return (liger_swiglu(z["gate"], z["up"]),)
+
+    impls = [
+        Impl(f"{LIGERTUNE} ({kernels.active_path(device)})", lambda z: (kernels.swiglu(z["gate"], z["up"]),)),
+        Impl("torch eager", lambda z: (F.silu(z["gate"]) * z["up"],)),
+        Impl("torch.compile", lambda z: (F.silu(z["gate"]) * z["up"],), compiled=True),
+        Impl("liger", liger, peer="liger"),
+    ]
+    return Problem(
+        "swiglu", dims, {"gate": gate, "up": up}, (dy,), ("y", "grad_gate", "grad_up"),
+        lambda z, _: (reference.swiglu(z["gate"], z["up"]),), impls, bytes=8 * t * i * gate.element_size(),
+    )
+
+
+def rope_problem(dims: dict[str, int], device: torch.device, dtype: torch.dtype, seed: int) -> Problem:
+    b, seq, hq, hk, d = (dims[k] for k in SHAPE_DIMS["rope"])
+    gen = _generator(device, seed)
+    # q and k as `transformers` hands them over: projections viewed [B, L, H, D], then transposed.
+    q = _randn((b, seq, hq, d), gen=gen, device=device, dtype=dtype, grad=True)
+    k = _randn((b, seq, hk, d), gen=gen, device=device, dtype=dtype, grad=True)
+    positions = torch.arange(seq, device=device, dtype=torch.float32)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+    angles = torch.outer(positions, inv_freq)
+    emb = torch.cat((angles, angles), dim=-1)
+    cos = emb.cos().to(dtype)[None].expand(b, seq, d).contiguous()
+    sin = emb.sin().to(dtype)[None].expand(b, seq, d).contiguous()
+    dq = _randn((b, hq, seq, d), gen=gen, device=device, dtype=dtype)
+    dk = _randn((b, hk, seq, d), gen=gen, device=device, dtype=dtype)
+    inputs = {"q": q, "k": k, "cos": cos, "sin": sin}
+
+    from ligertune import kernels
+    from ligertune.kernels import reference
+
+    def heads_first(z):
+        return z["q"].transpose(1, 2), z["k"].transpose(1, 2), z["cos"], z["sin"]
+
+    def liger(z):
+        from liger_kernel.transformers.functional import liger_rope
+
+        return tuple(liger_rope(*heads_first(z)))
+
+    def ours(z):
+        return tuple(kernels.apply_rope(*heads_first(z)))
+
+    impls = [
+        Impl(f"{LIGERTUNE} ({kernels.active_path(device)})", ours),
+        Impl("torch eager", lambda z: _eager_rope(*heads_first(z))),
+        Impl("torch.compile", lambda z: _eager_rope(*heads_first(z)), compiled=True),
+        Impl("liger", liger, peer="liger"),
+    ]
+    e = q.element_size()
+    n_bytes = (4 * (q.numel() + k.numel()) + 4 * cos.numel()) * e
+    return Problem(
+        "rope", dims, inputs, (dq, dk), ("q", "k", "grad_q", "grad_k"),
+        lambda z, _: tuple(reference.apply_rope(*heads_first(z))), impls, bytes=n_bytes,
+    )
+
+
+def _eager_rope(q, k, cos, sin):
+    """`apply_rotary_pos_emb` of `transformers`: q * cos + rotate_half(q) * sin, cos unsqueezed on heads."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def rotate_half(x):
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+PROBLEMS = {
+    "flce": flce_problem, "rms_norm": rms_norm_problem, "rope": rope_problem, "swiglu": swiglu_problem,
+}

@@ -1,0 +1,60 @@
+"""The shapes `ligertune bench kernels` runs: each kernel's dimensions, its default shapes on a GPU
+and on a CPU, and the `--shapes KERNEL:AxBx...` option that replaces them."""
+
+from __future__ import annotations
+
+import re
+
+from ligertune.errors import UserError
+
+KERNELS = ("flce", "rms_norm", "rope", "swiglu")
+
+SHAPE_DIMS = {
+    "flce": ("N", "H", "V"),
+    "rms_norm": ("T", "H"),
+    "rope": ("B", "L", "Hq", "Hk", "D"),
+    "swiglu": ("T", "I"),
+}
+"""Names of each kernel's dimensions, in the order `--shapes` gives them."""
+
+GPU_SHAPES = {
+    # Llama-3-8B, a 2k-hidden model at twice the tokens, Qwen2.5-7B: tokens x hidden x vocabulary.
+    "flce": [(8192, 4096, 128256), (16384, 2048, 128256), (4096, 3584, 152064)],
+    # 4 x 4096 tokens of a Llama-3-8B layer.
+    "rms_norm": [(16384, 4096)],
+    "rope": [(4, 4096, 32, 8, 128)],
+    "swiglu": [(16384, 14336)],
+}
+CPU_SHAPES = {
+    # Odd sizes on purpose: no implementation may lean on powers of two.
+    "flce": [(257, 192, 4099)],
+    "rms_norm": [(1031, 768)],
+    "rope": [(2, 255, 8, 2, 64)],
+    "swiglu": [(1031, 1376)],
+}
+
+
+
+def parse_shape(text: str) -> tuple[str, tuple[int, ...]]:
+    """`flce:8192x4096x128256` -> ("flce", (8192, 4096, 128256)); `UserError` for anything else."""
+    kernel, sep, dims = text.partition(":")
+    kernel = kernel.strip().replace("-", "_")
+    if not sep or kernel not in SHAPE_DIMS:
+        raise UserError(
+            f"--shapes {text!r}: expected KERNEL:AxBx..., KERNEL one of {', '.join(KERNELS)} "
+            f"(e.g. flce:8192x4096x128256)"
+        )
+    names = SHAPE_DIMS[kernel]
+    parts = [p for p in re.split(r"[x,]", dims.strip()) if p]
+    if len(parts) != len(names) or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise UserError(f"--shapes {text!r}: {kernel} takes {'x'.join(names)}, positive integers")
+    values = tuple(int(p) for p in parts)
+    if kernel == "rope" and values[4] % 2:
+        raise UserError(f"--shapes {text!r}: the rope head dimension D must be even")
+    if kernel == "rope" and values[2] % values[3]:
+        raise UserError(f"--shapes {text!r}: Hq must be a multiple of Hk (grouped-query attention)")
+    return kernel, values
+
+
+def shape_label(kernel: str, values: tuple[int, ...]) -> str:
+    return "-".join(f"{n}{v}" for n, v in zip(SHAPE_DIMS[kernel], values))

@@ -26,11 +26,12 @@ import torch
 
 from ligertune.data import Batch, TokenizedExample, collate, collate_padded, pack, packs_of_one, prepare_data
 from ligertune.errors import UserError
-from ligertune.devices import resolve_device, resolve_dtype
-from ligertune.models import CausalLMLoss, build_model, load_tokenizer, patch_model, unpatch_model
+from ligertune.models import CausalLMLoss, load_tokenizer, unpatch_model
+from ligertune.numerics import relative_error
 from ligertune.recipe import LossConfig, Recipe
-from ligertune.training.normalization import step_token_weights
-from ligertune.training.trainer import pad_token_id, wrap_lora
+from ligertune.training.build import build_device, build_head, build_model, patch_kernels
+from ligertune.training.loss_weights import step_token_weights
+from ligertune.training.trainer import pad_token_id
 
 MODES = ("token", "sequence", "sum")
 
@@ -79,7 +80,9 @@ class Report:
 
 
 @dataclass
-class Outcome:
+class LossAndGrads:
+    """What one way of computing the step gives."""
+
     loss: float
     grads: torch.Tensor  # every trainable parameter's gradient, flattened, float32
 
@@ -91,25 +94,22 @@ def verify_loss(recipe: Recipe, *, samples: int = 8, modes: Sequence[str] = ("to
         raise UserError(f"--modes: unknown mode {unknown[0]!r} (expected {', '.join(MODES)})")
     if samples < 2:
         raise UserError(f"--samples: at least 2 conversations are needed to pack, got {samples}")
-    device = resolve_device(recipe.train.device)
-    dtype = resolve_dtype(recipe.model.dtype, device)
+    device = build_device(recipe.train)
     tokenizer = load_tokenizer(recipe.model)
     data = prepare_data(recipe.data, tokenizer, seed=recipe.train.seed, show_progress=False)
     examples = sample_conversations(data.train, samples, recipe.train.seed)
     if len(examples) < 2:
         raise UserError("data: fewer than 2 trainable conversations to compare")
 
-    model = build_model(recipe.model, device=device, dtype=dtype, seed=recipe.train.seed,
-                        vocab_size=len(tokenizer))
+    # Built unpatched: the reference runs the model as transformers defines it; each mode's
+    # ligertune cases patch it with the recipe's kernels.
+    built = build_model(recipe, device=device, vocab_size=len(tokenizer), kernels=False)
+    model, dtype = built.module, built.dtype
     if recipe.lora is not None:
-        model = wrap_lora(model, recipe.lora)
         perturb_lora(model, recipe.train.seed)
     model.eval()  # no dropout: every case must see the same function
     loss_cfg = recipe.loss
-    head = CausalLMLoss(model, fused=recipe.kernels.fused_linear_cross_entropy,
-                        chunk_bytes=recipe.kernels.loss_chunk_mib * 2**20,
-                        label_smoothing=loss_cfg.label_smoothing, z_loss_weight=loss_cfg.z_loss_weight,
-                        ignore_index=loss_cfg.ignore_index)
+    head = build_head(model, recipe.kernels, loss_cfg)
     pad_id = pad_token_id(tokenizer)
     loss_tol, grad_tol = TOLERANCES.get(dtype, TOLERANCES[torch.bfloat16])
     max_len = max(len(e.input_ids) for e in examples)
@@ -135,8 +135,7 @@ def verify_loss(recipe: Recipe, *, samples: int = 8, modes: Sequence[str] = ("to
             ok = diff <= loss_tol * max(1.0, abs(reference.loss)) and err <= grad_tol
             cases.append(Case(name, kind, mode, reference.loss, outcome.loss, diff, err, ok))
 
-        patch_model(model, rms_norm=recipe.kernels.rms_norm, rope=recipe.kernels.rope,
-                    swiglu=recipe.kernels.swiglu)
+        patch_kernels(model, recipe.kernels)
         try:
             whole = [collate(packs)]
             compare(f"packed {len(packs)}, 1 micro-batch", "ligertune", whole)
@@ -216,7 +215,7 @@ def definition_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.
 
 
 def run_reference(model: torch.nn.Module, examples: list[TokenizedExample], pad_id: int, cfg: LossConfig,
-                  mode: str, device: torch.device) -> Outcome:
+                  mode: str, device: torch.device) -> LossAndGrads:
     batch = collate_padded(examples, pad_id).to(device)
     model.zero_grad(set_to_none=True)
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
@@ -224,11 +223,11 @@ def run_reference(model: torch.nn.Module, examples: list[TokenizedExample], pad_
     weights = definition_weights(batch.targets, mode, cfg.ignore_index)
     loss = definition_loss(logits, batch.targets, weights, cfg)
     loss.backward()
-    return Outcome(loss.item(), collect_grads(model))
+    return LossAndGrads(loss.item(), collect_grads(model))
 
 
 def run_candidate(head: CausalLMLoss, micro: list[Batch], cfg: LossConfig, mode: str, device: torch.device, *,
-                  isolate: bool, restart: bool, weighting: Callable | None) -> Outcome:
+                  isolate: bool, restart: bool, weighting: Callable | None) -> LossAndGrads:
     micro = [b.to(device) for b in micro]
     targets = [b.targets for b in micro]
     seq_ids = [b.seq_ids for b in micro]
@@ -251,7 +250,7 @@ def run_candidate(head: CausalLMLoss, micro: list[Batch], cfg: LossConfig, mode:
                        attention_mask=torch.ones_like(batch.input_ids))
         out.loss.backward()
         total += out.loss.item()
-    return Outcome(total, collect_grads(head.model))
+    return LossAndGrads(total, collect_grads(head.model))
 
 
 def per_micro_batch_mean(targets: list[torch.Tensor], ignore_index: int) -> list[torch.Tensor]:
@@ -269,10 +268,3 @@ def collect_grads(model: torch.nn.Module) -> torch.Tensor:
         for p in model.parameters() if p.requires_grad
     ]
     return torch.cat(grads)
-
-
-def relative_error(candidate: torch.Tensor, reference: torch.Tensor) -> float:
-    """||a - b|| / ||b|| over every parameter (0 when both are zero)."""
-    norm = reference.norm().item()
-    diff = (candidate - reference).norm().item()
-    return diff / norm if norm > 0 else diff

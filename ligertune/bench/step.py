@@ -55,7 +55,7 @@ from ligertune.bench.timing import measure
 from ligertune.devices import device_name, release_memory, resolve_device, resolve_dtype, synchronize
 from ligertune.errors import UserError
 from ligertune.recipe import Recipe
-from ligertune.training.normalization import step_token_weights
+from ligertune.training.loss_weights import step_token_weights
 
 PEAK_BF16_TFLOPS = (
     # (substring of the device name, dense bf16 TFLOP/s from the data sheet); first match wins.

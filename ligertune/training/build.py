@@ -1,0 +1,209 @@
+"""The one place where recipe sections become objects: device, data and packs, model, loss head,
+optimizer and schedule.
+
+`ligertune train`, `ligertune verify-loss` and `ligertune bench step` all build through here, so
+what is verified and benchmarked is what trains:
+
+    device = build_device(recipe.train)
+    tokenizer = load_tokenizer(recipe.model)
+    data = build_data(recipe, tokenizer)                         # examples, then packs
+    model = build_model(recipe, device=device, vocab_size=len(tokenizer))
+    head = build_head(model.module, recipe.kernels, recipe.loss)
+    optimizer = build_optimizer(model.module, recipe.optim)
+    scheduler = build_scheduler(optimizer, recipe.optim, total_steps=...)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ligertune import models
+from ligertune.data import Pack, PreparedData, TokenizedExample, pack, prepare_data
+from ligertune.devices import resolve_device, resolve_dtype
+from ligertune.errors import UserError
+from ligertune.models import CausalLMLoss, PatchReport, patch_model
+from ligertune.recipe import DataConfig, KernelsConfig, LoraConfig, LossConfig, OptimConfig, Recipe, TrainConfig
+from ligertune.training.optim import lr_multiplier
+
+
+def build_device(cfg: TrainConfig) -> torch.device:
+    """The device of `train.device`, with torch's CPU threads set from `train.num_threads`."""
+    device = resolve_device(cfg.device)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    return device
+
+
+# --------------------------------------------------------------------------------------------------
+# data
+
+
+@dataclass
+class TrainingData:
+    """The tokenized conversations of a run and their packs."""
+
+    prepared: PreparedData
+    eval_examples: list[TokenizedExample]
+    train_packs: list[Pack]
+    eval_packs: list[Pack]
+
+    @property
+    def train_examples(self) -> list[TokenizedExample]:
+        return self.prepared.train
+
+
+def build_packs(cfg: DataConfig, examples: list[TokenizedExample]) -> list[Pack]:
+    """The examples packed as `data.max_seq_len` and `data.packing` say."""
+    return pack(examples, cfg.max_seq_len, packing=cfg.packing)
+
+
+def build_data(recipe: Recipe, tokenizer, *, show_progress: bool = True) -> TrainingData:
+    """Read, tokenize, mask and pack the recipe's training and held-out conversations."""
+    prepared = prepare_data(recipe.data, tokenizer, seed=recipe.train.seed, show_progress=show_progress)
+    if not prepared.train:
+        raise UserError("data: no trainable conversation left after masking and truncation")
+    cap = recipe.train.eval_max_conversations
+    eval_examples = prepared.eval[:cap] if cap else prepared.eval
+    return TrainingData(
+        prepared=prepared,
+        eval_examples=eval_examples,
+        train_packs=build_packs(recipe.data, prepared.train),
+        eval_packs=build_packs(recipe.data, eval_examples),
+    )
+
+
+def total_steps(cfg: TrainConfig, n_packs: int) -> int:
+    """`train.max_steps`, else the steps that `train.epochs` passes over `n_packs` packs take."""
+    if cfg.max_steps:
+        return cfg.max_steps
+    return max(1, math.ceil(cfg.epochs * n_packs / packs_per_step(cfg)))
+
+
+def packs_per_step(cfg: TrainConfig) -> int:
+    return cfg.micro_batch_size * cfg.grad_accum_steps
+
+
+# --------------------------------------------------------------------------------------------------
+# model
+
+
+@dataclass
+class BuiltModel:
+    """The model to train (peft-wrapped with LoRA) and what was patched in it."""
+
+    module: nn.Module
+    dtype: torch.dtype
+    patches: PatchReport | None
+
+
+def build_model(
+    recipe: Recipe,
+    *,
+    device: torch.device,
+    vocab_size: int | None,
+    attention: str | None = None,
+    kernels: bool = True,
+    before_adapters: Callable[[nn.Module], None] | None = None,
+) -> BuiltModel:
+    """The recipe's model on `device`: loaded or built, patched with the recipe's kernels, with its
+    gradient checkpointing, then wrapped with LoRA adapters when the recipe has `lora`.
+
+    `attention` replaces `model.attention` (a benchmark's peers run the model's own sdpa);
+    `kernels=False` leaves the model unpatched (`patch_kernels` can patch it later);
+    `before_adapters(model)` runs on the base model before LoRA wraps it (a peer's own patches).
+    """
+    model_cfg = recipe.model if attention is None else dataclasses.replace(recipe.model, attention=attention)
+    dtype = resolve_dtype(model_cfg.dtype, device)
+    model = models.build_model(model_cfg, device=device, dtype=dtype, seed=recipe.train.seed,
+                               vocab_size=vocab_size)
+    patches = patch_kernels(model, recipe.kernels) if kernels else None
+    if recipe.train.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    if before_adapters is not None:
+        before_adapters(model)
+    if recipe.lora is not None:
+        model = wrap_lora(model, recipe.lora)
+    return BuiltModel(model, dtype, patches)
+
+
+def patch_kernels(model: nn.Module, cfg: KernelsConfig) -> PatchReport:
+    """RMSNorm, RoPE and SwiGLU through ligertune's kernels, as `kernels` says."""
+    return patch_model(model, rms_norm=cfg.rms_norm, rope=cfg.rope, swiglu=cfg.swiglu)
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder layer's activations in backward (non-reentrant checkpointing)."""
+    with warnings.catch_warnings():  # renamed in newer transformers; the old name still works
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+
+
+def wrap_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
+    """The model with peft LoRA adapters on `lora.target_modules`; the base weights frozen."""
+    import peft
+
+    lora = peft.LoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=cfg.target_modules,
+        bias=cfg.bias,
+        modules_to_save=cfg.modules_to_save,
+        use_rslora=cfg.use_rslora,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return peft.get_peft_model(model, lora)
+    except ValueError as err:
+        raise UserError(f"lora: {err}") from None
+
+
+def build_head(model: nn.Module, kernels: KernelsConfig, loss: LossConfig) -> CausalLMLoss:
+    """The loss head of `model`: fused linear cross-entropy (or the unfused path) with the recipe's
+    label smoothing, z-loss and ignore index."""
+    return CausalLMLoss(
+        model,
+        fused=kernels.fused_linear_cross_entropy,
+        chunk_bytes=kernels.loss_chunk_mib * 2**20,
+        label_smoothing=loss.label_smoothing,
+        z_loss_weight=loss.z_loss_weight,
+        ignore_index=loss.ignore_index,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# optimizer
+
+
+def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters; norms, biases and other vectors get no weight decay.
+
+    The fused CUDA implementation is used when every parameter lives on CUDA.
+    """
+    params = trainable_parameters(model)
+    decay = [p for _, p in params if p.ndim >= 2]
+    no_decay = [p for _, p in params if p.ndim < 2]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    fused = bool(params) and all(p.is_cuda for _, p in params)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused or None)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, *, total_steps: int):
+    """Linear warmup, then the recipe's decay, as a factor of `optim.lr` per optimizer step."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, total_steps, cfg))

@@ -1,8 +1,9 @@
 """What `ligertune bench step` measures: whole training steps of a recipe's model, kernels on and off.
 
-The model is built from the recipe (`model.config` with random weights, or a pretrained one), in the
-recipe's dtype, with its gradient checkpointing and its AdamW (fused on CUDA), the same way
-`ligertune train` builds it. A synthetic batch of `train.micro_batch_size` rows of
+Every variant's model is built by `ligertune.training.build`, the builder `ligertune train` uses:
+the recipe's model (`model.config` with random weights, or a pretrained one) in its dtype, with its
+gradient checkpointing, its LoRA adapters when the recipe has `lora` (the peers then run HF + peft),
+and its AdamW (fused on CUDA). A synthetic batch of `train.micro_batch_size` rows of
 `data.max_seq_len` random tokens then goes through one training step (forward, backward, gradient
 clipping when `optim.max_grad_norm` is set, optimizer step), for each of:
 
@@ -13,6 +14,7 @@ clipping when `optim.max_grad_norm` is set, optimizer step), for each of:
     HF (sdpa)       the plain `transformers` model, sdpa attention, its own loss on the logits
                     (`model(input_ids, labels=input_ids)`)
     HF + Liger      the same with Liger-Kernel applied to the instance, when importable
+                    (before the LoRA adapters wrap it)
 
 Then the realistic case: chat conversations of mixed lengths (drawn at random, 20-60% of each
 masked as prompt) with ligertune, packed best-fit (`pack` + `collate`, varlen attention) against
@@ -43,7 +45,6 @@ import math
 import random
 import statistics
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -210,17 +211,19 @@ class _StepBench:
 
     def run(self) -> None:
         self._guarded(LIGERTUNE, "synthetic", self._ligertune)
-        self._guarded(HF, "synthetic", self._hf)
+        self._guarded(self._peer_name(HF), "synthetic", self._hf)
         peer = find_peer("liger")
         if not peer.available:
             status = "not installed" if peer.unavailable == NOT_INSTALLED else "failed"
-            self.report.rows.append(StepRow(HF_LIGER, "synthetic", status=status, detail=peer.unavailable))
+            self.report.rows.append(
+                StepRow(self._peer_name(HF_LIGER), "synthetic", status=status, detail=peer.unavailable)
+            )
         elif self.device.type != "cuda":
             self.report.rows.append(
-                StepRow(HF_LIGER, "synthetic", status="skipped", detail="liger-kernel needs CUDA")
+                StepRow(self._peer_name(HF_LIGER), "synthetic", status="skipped", detail="liger-kernel needs CUDA")
             )
         else:
-            self._guarded(HF_LIGER, "synthetic", self._hf_liger)
+            self._guarded(self._peer_name(HF_LIGER), "synthetic", self._hf_liger)
 
     def _guarded(self, name: str, layout: str, fn: Callable[[], list[StepRow]]) -> None:
         self.log(f"step: {name}")
@@ -235,27 +238,24 @@ class _StepBench:
 
     # ---- building
 
-    def _model(self, attention: str):
-        from ligertune.models import build_model
+    def _model(self, *, attention: str | None = None, kernels: bool = False, before_adapters=None):
+        """The recipe's model as `ligertune train` builds it (LoRA included), in training mode."""
+        from ligertune.models import unwrap_model
+        from ligertune.training.build import build_model
 
-        model_cfg = dataclasses.replace(self.recipe.model, attention=attention)
-        model = build_model(model_cfg, device=self.device, dtype=self.dtype, seed=self.recipe.train.seed,
-                            vocab_size=self.vocab_size)
+        built = build_model(self.recipe, device=self.device, vocab_size=self.vocab_size, attention=attention,
+                            kernels=kernels, before_adapters=before_adapters)
+        model = built.module
         model.train()
-        if self.recipe.train.gradient_checkpointing:
-            with warnings.catch_warnings():  # renamed in newer transformers; the old name still works
-                warnings.simplefilter("ignore", FutureWarning)
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
+        unwrap_model(model).config.use_cache = False
         if not self.report.model:
-            self.report.model = model_summary(model)
-        return model
+            self.report.model = model_summary(unwrap_model(model))
+        return built
 
     def _optimizer(self, model):
-        from ligertune.training.optim import build_optimizer
+        from ligertune.training.build import build_optimizer
 
-        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        return build_optimizer(params, self.recipe.optim), [p for _, p in params]
+        return build_optimizer(model, self.recipe.optim), [p for p in model.parameters() if p.requires_grad]
 
     def _finish_step(self, optimizer, params) -> None:
         max_norm = self.recipe.optim.max_grad_norm
@@ -275,19 +275,16 @@ class _StepBench:
         from ligertune.data.batching import collate
         from ligertune.data.chat import TokenizedExample
         from ligertune.data.packing import packs_of_one
-        from ligertune.models import CausalLMLoss, patch_model, unpatch_model
+        from ligertune.models import unpatch_model
+        from ligertune.training.build import build_head
 
-        model = self._model(self.recipe.model.attention)
+        built = self._model(kernels=True)
+        model = built.module
         k, loss = self.recipe.kernels, self.recipe.loss
-        patches = patch_model(model, rms_norm=k.rms_norm, rope=k.rope, swiglu=k.swiglu)
         fused = "on" if k.fused_linear_cross_entropy else "off"
-        self.report.kernels = f"{patches.describe()}; fused loss: {fused}"
+        self.report.kernels = f"{built.patches.describe()}; fused loss: {fused}"
         try:
-            head = CausalLMLoss(
-                model, fused=k.fused_linear_cross_entropy, chunk_bytes=k.loss_chunk_mib * 2**20,
-                label_smoothing=loss.label_smoothing, z_loss_weight=loss.z_loss_weight,
-                ignore_index=loss.ignore_index,
-            )
+            head = build_head(model, k, loss)
             optimizer, params = self._optimizer(model)
             ids = self._synthetic_ids()
             examples = [TokenizedExample(row.tolist(), row.tolist()) for row in ids]
@@ -310,18 +307,26 @@ class _StepBench:
             unpatch_model(model)
 
     def _hf(self) -> list[StepRow]:
-        model = self._model("sdpa")
-        return [self._time_hf(HF, model)]
+        model = self._model(attention="sdpa").module
+        return [self._time_hf(self._peer_name(HF), model)]
 
     def _hf_liger(self) -> list[StepRow]:
         import liger_kernel.transformers as liger
 
-        model = self._model("sdpa")
-        # Liger also rebinds names in the model's modeling module (RoPE, norm and MLP classes), for
-        # every later model of that family: put them back afterwards.
-        with _restored_module(type(model).__module__):
-            liger._apply_liger_kernel_to_instance(model=model)
-            return [self._time_hf(HF_LIGER, model)]
+        with contextlib.ExitStack() as restore:
+
+            def apply_liger(model) -> None:
+                # Liger also rebinds names in the model's modeling module (RoPE, norm and MLP
+                # classes), for every later model of that family: put them back afterwards.
+                restore.enter_context(_restored_module(type(model).__module__))
+                liger._apply_liger_kernel_to_instance(model=model)
+
+            model = self._model(attention="sdpa", before_adapters=apply_liger).module
+            return [self._time_hf(self._peer_name(HF_LIGER), model)]
+
+    def _peer_name(self, name: str) -> str:
+        """A peer's row name, with `+ peft` when the recipe trains LoRA adapters."""
+        return f"{name} + peft" if self.recipe.lora is not None else name
 
     def _time_hf(self, name: str, model) -> StepRow:
         optimizer, params = self._optimizer(model)
@@ -476,6 +481,7 @@ def model_summary(model) -> dict[str, Any]:
     return {
         "type": type(model).__name__,
         "params": sum(p.numel() for p in model.parameters()),
+        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "matmul_params": matmul_params(model),
         "vocab_size": int(cfg.vocab_size),
         "hidden_size": int(cfg.hidden_size),

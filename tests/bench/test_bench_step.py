@@ -159,3 +159,20 @@ def test_token_mean_weights():
     targets = torch.tensor([[-100, 4, 5, -100, 7]])
     w = bench_step.token_mean_weights(targets, -100)
     assert torch.equal(w, torch.tensor([[0.0, 1 / 3, 1 / 3, 0.0, 1 / 3]]))
+
+
+def test_bench_step_builds_lora_recipes_as_train_does(tmp_path):
+    """A LoRA recipe is benchmarked with its adapters: ligertune and the peers train the same
+    adapters of the same frozen base."""
+    from ligertune.bench.step import StepBenchConfig, run_step_bench
+    from ligertune.recipe import load_recipe
+    from tiny_recipe import write_recipe
+
+    recipe = load_recipe(write_recipe(tmp_path, lora={"r": 4, "alpha": 8}))
+    report = run_step_bench(recipe, StepBenchConfig(steps=1, warmup=0, chat=False, measure_matmul=False))
+    rows = {row.name: row for row in report.rows}
+    assert rows["ligertune"].status == "ok"
+    assert rows["HF (sdpa) + peft"].status == "ok"
+    assert "HF + Liger + peft" in rows
+    assert report.model["type"] == "LlamaForCausalLM"  # the base model, not the peft wrapper
+    assert 0 < report.model["trainable_params"] < report.model["params"] / 10  # adapters only

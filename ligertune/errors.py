@@ -1,7 +1,7 @@
-"""Errors that are the user's to fix.
+"""Errors that are the user's to fix, and faults of the machine.
 
-Every exception here is printed by the CLI as one line and exits with code 2; anything else is a
-bug and keeps its traceback.
+The CLI prints each exception here as one line: a `UserError` exits with code 2, an
+`EnvironmentFault` with code 1. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -23,3 +23,8 @@ class RecipeError(UserError):
 
 class DataError(UserError):
     """Malformed or unreadable training data; the message names the file and line."""
+
+
+class EnvironmentFault(Exception):
+    """A fault of the machine, not of the input (a full disk, a folder that cannot be written):
+    reported in one line naming the path and the cause, exit 1."""

@@ -9,7 +9,7 @@ from typing import Callable
 import typer
 from rich.console import Console
 
-from ligertune.errors import UserError
+from ligertune.errors import EnvironmentFault, UserError
 
 
 def debug_enabled() -> bool:
@@ -18,18 +18,19 @@ def debug_enabled() -> bool:
 
 
 def guarded(fn: Callable) -> Callable:
-    """Turn a `UserError` into red `error:` lines on stderr and exit code 2 (the traceback with --debug)."""
+    """Turn a `UserError` into red `error:` lines on stderr and exit code 2, an `EnvironmentFault`
+    into the same with exit code 1 (the traceback with --debug)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except UserError as err:
+        except (UserError, EnvironmentFault) as err:
             if debug_enabled():
                 raise
             console = Console(stderr=True, highlight=False, soft_wrap=True)
             for line in str(err).splitlines() or [type(err).__name__]:
                 console.print(f"[bold red]error:[/] {line}", markup=True)
-            raise typer.Exit(2) from None
+            raise typer.Exit(2 if isinstance(err, UserError) else 1) from None
 
     return wrapper

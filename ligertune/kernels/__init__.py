@@ -17,6 +17,7 @@ __all__ = [
     "active_path",
     "apply_rope",
     "fused_linear_cross_entropy",
+    "lion_step",
     "rms_norm",
     "swiglu",
 ]
@@ -68,3 +69,14 @@ def swiglu(gate, up, *, reuse_inputs: bool = False):
     refuses any later use of them in a backward.
     """
     return _impl("swiglu", gate.device)(gate, up, reuse_inputs=reuse_inputs)
+
+
+def lion_step(params, grads, moments, *, lr: float, beta1: float = 0.9, beta2: float = 0.99,
+              weight_decay: float = 0.0) -> None:
+    """One Lion step in place over lists of tensors on one device (params, their grads, momenta);
+    see `reference.lion_step`. The Triton path updates all of them in one launch per dtype pair."""
+    if params and active_path(params[0].device) == "triton":
+        from ligertune.kernels.lion import lion_step as impl
+    else:
+        from ligertune.kernels.reference import lion_step as impl
+    impl(params, grads, moments, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)

@@ -425,3 +425,94 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, reuse_inputs: bool = False) 
     """
     check_swiglu_args(gate, up)
     return torch.nn.functional.silu(gate) * up
+
+
+# ---------------------------------------------------------------------------------------------
+# Lion optimizer step
+# ---------------------------------------------------------------------------------------------
+
+LION_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Parameter dtypes of `lion_step`: its arithmetic is float32, which would round a float64 parameter."""
+
+
+def check_lion_args(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    moments: list[torch.Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+) -> None:
+    """Raise `ValueError` for arguments that neither path of `lion_step` accepts."""
+    if not len(params) == len(grads) == len(moments):
+        raise ValueError(
+            f"params, grads and moments must be lists of one length; got {len(params)}, {len(grads)}, {len(moments)}"
+        )
+    if not lr >= 0.0:
+        raise ValueError(f"lr must be >= 0; got {lr}")
+    if not (0.0 <= beta1 <= 1.0 and 0.0 <= beta2 <= 1.0):
+        raise ValueError(f"beta1 and beta2 must lie in [0, 1]; got {beta1} and {beta2}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"weight_decay must be >= 0; got {weight_decay}")
+    for i, (p, g, m) in enumerate(zip(params, grads, moments)):
+        if p.dtype not in LION_PARAM_DTYPES:
+            raise ValueError(f"params[{i}] must be float32, bfloat16 or float16; got {p.dtype}")
+        if g.dtype != p.dtype or m.dtype not in (torch.float32, p.dtype):
+            raise ValueError(
+                f"grads[{i}] must be {p.dtype} and moments[{i}] float32 or {p.dtype}; got {g.dtype} and {m.dtype}"
+            )
+        if not p.shape == g.shape == m.shape:
+            raise ValueError(
+                f"params[{i}], grads[{i}] and moments[{i}] must share a shape; "
+                f"got {tuple(p.shape)}, {tuple(g.shape)}, {tuple(m.shape)}"
+            )
+        if not p.device == g.device == m.device == params[0].device:
+            raise ValueError(
+                f"every tensor must live on {params[0].device}; "
+                f"params[{i}], grads[{i}], moments[{i}] are on {p.device}, {g.device}, {m.device}"
+            )
+
+
+def lion_step(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    moments: list[torch.Tensor],
+    *,
+    lr: float,
+    beta1: float = 0.9,
+    beta2: float = 0.99,
+    weight_decay: float = 0.0,
+) -> None:
+    """One Lion step in place, with decoupled weight decay (Chen et al. 2023, "Symbolic Discovery of
+    Optimization Algorithms", Algorithm 2), for each parameter p, its gradient g and momentum m:
+
+        c = beta1 m + (1 - beta1) g
+        p <- p - lr (sign(c) + weight_decay p)          sign(0) = 0, as torch.sign
+        m <- beta2 m + (1 - beta2) g
+
+    except that sign(c) is NaN where c is not finite (torch.sign(NaN) is 0, which would freeze an
+    element that saw a NaN gradient, its momentum NaN for good, without a trace; this way p turns NaN
+    and the loss shows it). The arithmetic is float32 whatever the storage (parameters and gradients float32, bfloat16 or
+    float16, one dtype per pair; momentum float32 or the parameter's dtype), rounded once into each
+    stored tensor. The `torch._foreach_*` ops take all tensors of a call at once, so this is also a
+    reasonable CPU path; low-precision tensors go through float32 copies (transient memory of that size).
+    """
+    check_lion_args(params, grads, moments, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
+    if not params:
+        return
+    with torch.no_grad():
+        # `.float()` is the tensor itself when it is float32 already: no copy in the common case.
+        p32, g32, m32 = ([t.float() for t in ts] for ts in (params, grads, moments))
+        # beta m + (1 - beta) g written as lerp(m, g, 1 - beta), which is what the Triton kernel computes.
+        update = torch._foreach_lerp(m32, g32, 1.0 - beta1)
+        nan_where_not_finite = torch._foreach_mul(update, 0.0)
+        torch._foreach_sign_(update)
+        torch._foreach_add_(update, nan_where_not_finite)
+        torch._foreach_mul_(p32, 1.0 - lr * weight_decay)
+        torch._foreach_add_(p32, update, alpha=-lr)
+        torch._foreach_lerp_(m32, g32, 1.0 - beta2)
+        for stored, computed in [*zip(params, p32), *zip(moments, m32)]:
+            if computed is not stored:
+                stored.copy_(computed)

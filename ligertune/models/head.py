@@ -19,6 +19,7 @@ from torch import nn
 
 from ligertune import kernels
 from ligertune.kernels import LossOutput
+from ligertune.kernels.reference import cross_entropy_rows
 from ligertune.models.attention import packed_attention_kwargs
 from ligertune.models.unwrap import decoder_of, output_head_of, plain_projection, unwrap_model
 
@@ -47,21 +48,17 @@ def causal_lm_loss_from_logits(
     with w_t = token_weights[t] (default 1): "sum" gives sum_t w_t l_t, "mean" that sum over the
     number of supervised rows, "none" w_t l_t per row (0 at ignored rows). `z_loss` is the
     z_loss_weight lse^2 part under the same weights and reduction (not differentiable), `n_correct`
-    the supervised rows whose argmax equals the target, `n_tokens` the supervised rows.
+    the supervised rows whose argmax equals the target, `n_tokens` the supervised rows. The per-row
+    formula is the fused loss's own, `ligertune.kernels.reference.cross_entropy_rows`, here under
+    autograd (the logits may come from any output layer, such as a LoRA-adapted one).
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}; got {reduction!r}")
-    z = logits.float()
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
     supervised = targets != ignore_index
     y = torch.where(supervised, targets, 0).long()
-    lse = torch.logsumexp(z, dim=-1)
-    loss = lse - (1.0 - label_smoothing) * z.gather(-1, y[:, None]).squeeze(-1)
-    if label_smoothing:
-        loss = loss - label_smoothing * z.mean(dim=-1)
-    z_part = z_loss_weight * lse.square()
-    loss = loss + z_part
+    loss, z_part, _, z = cross_entropy_rows(
+        logits.float(), y, label_smoothing=label_smoothing, z_loss_weight=z_loss_weight, softcap=softcap
+    )
     weights = supervised.float()
     if token_weights is not None:
         weights = torch.where(supervised, token_weights.float(), 0.0)

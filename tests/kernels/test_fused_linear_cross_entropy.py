@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ligertune.kernels import fused_linear_cross_entropy
-from ligertune.kernels.cross_entropy import _chunk_rows
+from ligertune.kernels.chunked_loss import _chunk_rows
 from kernel_testing import DEVICE, rel_err
 
 IGNORE = -100
@@ -236,6 +236,17 @@ def test_rejects_bad_arguments(kernel_path, change, message):
     args = {k: t.to(DEVICE) if isinstance(t, torch.Tensor) else t for k, t in args.items()}
     with pytest.raises(ValueError, match=message):
         fused_linear_cross_entropy(**args)
+
+
+def test_float64_runs_on_the_reference_path_only(kernel_path):
+    inputs = make_inputs(7, 8, 33, torch.float64, bias=True)
+    if kernel_path == "triton":
+        with pytest.raises(ValueError, match="Triton path takes"):
+            fused_linear_cross_entropy(**inputs)
+        return
+    out = fused_linear_cross_entropy(**inputs, label_smoothing=0.1, chunk_bytes=1)
+    want, *_ = plain_flce(**inputs, label_smoothing=0.1)
+    torch.testing.assert_close(out.loss.double(), want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize(

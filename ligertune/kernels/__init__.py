@@ -46,7 +46,7 @@ def _impl(name: str, device: torch.device):
 
 
 def fused_linear_cross_entropy(hidden, weight, targets, **kwargs) -> LossOutput:
-    """Cross-entropy of `hidden @ weight.T` without materializing the logits; see `reference`."""
+    """Cross-entropy of `hidden @ weight.T` without materializing the logits; see `chunked_loss`."""
     return _impl("fused_linear_cross_entropy", hidden.device)(hidden, weight, targets, **kwargs)
 
 

@@ -3,18 +3,21 @@
 A recipe is plain YAML with one mapping per section (`model`, `data`, `kernels`, `loss`, `lora`,
 `optim`, `train`, `output`). Loading collects *every* problem before failing, each with its key path
 (`optim.lr: must be > 0, got -1`), with a "did you mean" for unknown keys, so one run of
-`ligertune validate` shows all that is wrong.
+`ligertune validate` shows all that is wrong. A key given twice in one mapping is a problem (YAML
+would keep the second silently), and a problem at a key written by `--set KEY=VALUE` is reported
+as that override's. Numbers must be finite and integers fit in 64 bits, whatever the field.
 
 Paths in a recipe (`model.name_or_path`, `model.tokenizer`, `data.path`, `data.sources[].path`,
 `data.eval_path`) are looked up next to the recipe file first, so a recipe and its data travel
 together; a path that is not there is kept as written (a hub id, or a path relative to the current
-directory). `output.dir` is relative to the current directory.
+directory) unless its first folder is there. `output.dir` is relative to the current directory.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,6 +28,18 @@ import yaml
 
 from ligertune.errors import RecipeError
 
+# Every integer of a recipe fits in 64 bits: torch and the C code below it take nothing larger.
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1
+# Bounds past which a value is surely a typo and would fail late: an epoch count that overflows the
+# step count, adapters that cannot be allocated, a sample list that does not fit in memory.
+MAX_EPOCHS = 1e6
+MAX_LORA_RANK = 65536
+MAX_SAMPLES = 100_000_000
+MAX_MICRO_BATCH = 65536
+MAX_GRAD_ACCUM = 1_000_000
+MAX_THREADS = 4096
+# The label of untrained tokens (the data pipeline writes it; the same value as `data.IGNORE_INDEX`).
+IGNORE_INDEX = -100
 
 def _field(default: Any = dataclasses.MISSING, doc: str = "", *, factory: Any = None) -> Any:
     """A dataclass field that carries its documentation (shown by `docs/recipe.md` and `recipes show`)."""
@@ -80,7 +95,9 @@ class DataSource:
     )
     split: str = _field("train", "Split to read when `path` is a hub dataset.")
     weight: float | None = _field(None, "Relative share of this source (repeated or subsampled to its share).")
-    samples: int | None = _field(None, "Exact number of conversations to take from this source.")
+    samples: int | None = _field(
+        None, "Exact number of conversations to take from this source (at most 100,000,000)."
+    )
 
     def check(self) -> list[tuple[str, str]]:
         problems = []
@@ -88,8 +105,8 @@ class DataSource:
             problems.append(("", "give `weight` or `samples`, not both"))
         if self.weight is not None and self.weight <= 0:
             problems.append(("weight", f"must be > 0, got {self.weight}"))
-        if self.samples is not None and self.samples <= 0:
-            problems.append(("samples", f"must be > 0, got {self.samples}"))
+        if self.samples is not None and not 0 < self.samples <= MAX_SAMPLES:
+            problems.append(("samples", f"must be in [1, {MAX_SAMPLES:,}], got {self.samples}"))
         return problems
 
 
@@ -173,7 +190,9 @@ class LossConfig:
     )
     z_loss_weight: float = _field(0.0, "Weight of the z-loss (log Z)^2 term; 0 disables it.")
     label_smoothing: float = _field(0.0, "Label smoothing epsilon, in [0, 1).")
-    ignore_index: int = _field(-100, "Label value that carries no loss.")
+    ignore_index: int = _field(
+        -100, "Label value that carries no loss: -100, the value the data pipeline writes."
+    )
 
     def check(self) -> list[tuple[str, str]]:
         problems = []
@@ -181,6 +200,9 @@ class LossConfig:
             problems.append(("z_loss_weight", f"must be >= 0, got {self.z_loss_weight}"))
         if not 0.0 <= self.label_smoothing < 1.0:
             problems.append(("label_smoothing", f"must be in [0, 1), got {self.label_smoothing}"))
+        if self.ignore_index != IGNORE_INDEX:
+            problems.append(("ignore_index", f"must be {IGNORE_INDEX}, the label the data pipeline gives "
+                             f"untrained tokens; got {self.ignore_index}"))
         return problems
 
 
@@ -188,7 +210,7 @@ class LossConfig:
 class LoraConfig:
     """LoRA adapters through peft; the base model is frozen (and still patched)."""
 
-    r: int = _field(16, "Adapter rank.")
+    r: int = _field(16, "Adapter rank, 1 to 65536.")
     alpha: float = _field(32, "Scaling numerator: adapters are scaled by alpha / r.")
     dropout: float = _field(0.0, "Dropout on the adapter input.")
     target_modules: str | list[str] = _field(
@@ -200,8 +222,8 @@ class LoraConfig:
 
     def check(self) -> list[tuple[str, str]]:
         problems = []
-        if self.r < 1:
-            problems.append(("r", f"must be >= 1, got {self.r}"))
+        if not 1 <= self.r <= MAX_LORA_RANK:
+            problems.append(("r", f"must be in [1, {MAX_LORA_RANK}], got {self.r}"))
         if not 0.0 <= self.dropout < 1.0:
             problems.append(("dropout", f"must be in [0, 1), got {self.dropout}"))
         return problems
@@ -217,7 +239,9 @@ class OptimConfig:
     eps: float = _field(1e-8, "AdamW epsilon.")
     weight_decay: float = _field(0.0, "Decoupled weight decay (not applied to norms and biases).")
     schedule: Literal["cosine", "linear", "constant"] = _field("cosine", "Decay after warmup.")
-    warmup_steps: int = _field(0, "Linear warmup from 0 to `lr`, in optimizer steps.")
+    warmup_steps: int = _field(
+        0, "Linear warmup from 0 to `lr`, in optimizer steps; no longer than `train.max_steps` when set."
+    )
     min_lr_ratio: float = _field(0.0, "Final learning rate as a fraction of `lr` (cosine, linear).")
     max_grad_norm: float | None = _field(1.0, "Clip the global gradient norm to this; null disables.")
 
@@ -245,9 +269,9 @@ class TrainConfig:
     """The loop: length, batching, evaluation and checkpoint cadence."""
 
     max_steps: int | None = _field(None, "Optimizer steps to run; overrides `epochs` when set.")
-    epochs: float = _field(1.0, "Passes over the training packs when `max_steps` is unset.")
-    micro_batch_size: int = _field(1, "Packs per forward/backward.")
-    grad_accum_steps: int = _field(1, "Micro-batches per optimizer step.")
+    epochs: float = _field(1.0, "Passes over the training packs when `max_steps` is unset; at most 1e6.")
+    micro_batch_size: int = _field(1, "Packs per forward/backward; at most 65536.")
+    grad_accum_steps: int = _field(1, "Micro-batches per optimizer step; at most 1,000,000.")
     seed: int = _field(0, "Seed for weights, data order and dropout.")
     gradient_checkpointing: bool = _field(False, "Recompute activations in backward to save memory.")
     device: Literal["auto", "cpu", "cuda"] = _field("auto", "`auto`: CUDA when available, else CPU.")
@@ -255,18 +279,33 @@ class TrainConfig:
     eval_every: int | None = _field(None, "Evaluate on the held-out data every N steps (and at the end).")
     eval_at_start: bool = _field(True, "Evaluate once before the first step, as a baseline.")
     eval_max_conversations: int | None = _field(None, "Cap on held-out conversations per evaluation.")
-    save_every: int | None = _field(None, "Save a checkpoint every N steps (the final model is always saved).")
-    num_threads: int | None = _field(None, "CPU threads for torch; default: torch's own choice.")
+    save_every: int | None = _field(
+        None, "Save a checkpoint (model, optimizer, schedule, RNG, data position) every N steps, to "
+        "resume from with `--resume`; the final model is always saved."
+    )
+    keep_checkpoints: int = _field(3, "Checkpoints kept; the oldest is removed once a new one is complete.")
+    max_skipped_steps: int = _field(
+        5, "Stop the run after this many consecutive steps skipped for a non-finite loss or gradient."
+    )
+    num_threads: int | None = _field(
+        None, "CPU threads for torch, at most 4096; default: torch's own choice."
+    )
 
     def check(self) -> list[tuple[str, str]]:
         problems = []
         for key in ("max_steps", "micro_batch_size", "grad_accum_steps", "log_every", "eval_every",
-                    "save_every", "eval_max_conversations", "num_threads"):
+                    "save_every", "keep_checkpoints", "max_skipped_steps", "eval_max_conversations",
+                    "num_threads"):
             value = getattr(self, key)
             if value is not None and value < 1:
                 problems.append((key, f"must be >= 1, got {value}"))
-        if self.epochs <= 0:
-            problems.append(("epochs", f"must be > 0, got {self.epochs}"))
+        if not 0 < self.epochs <= MAX_EPOCHS:
+            problems.append(("epochs", f"must be in (0, {MAX_EPOCHS:g}], got {self.epochs}"))
+        for key, most in (("micro_batch_size", MAX_MICRO_BATCH), ("grad_accum_steps", MAX_GRAD_ACCUM),
+                          ("num_threads", MAX_THREADS)):
+            value = getattr(self, key)
+            if value is not None and value > most:
+                problems.append((key, f"must be <= {most}, got {value}"))
         return problems
 
 
@@ -275,7 +314,9 @@ class OutputConfig:
     """Where the run writes its files."""
 
     dir: str = _field("runs/ligertune", "Output directory: resolved recipe, metrics.jsonl, final/.")
-    overwrite: bool = _field(False, "Allow writing into a directory that already holds a finished run.")
+    overwrite: bool = _field(
+        False, "Replace a run already in `dir` (finished or not): it is moved to `DIR.previous` first."
+    )
 
 
 @dataclass
@@ -293,10 +334,16 @@ class Recipe:
     description: str | None = _field(None, "Free text shown by `ligertune recipes ls`.")
 
     def check(self) -> list[tuple[str, str]]:
+        problems = []
         if self.data.packing and self.model.attention != "packed":
-            return [("data.packing", "packing needs `model.attention: packed`; with "
-                     f"{self.model.attention!r} packed conversations would attend to each other")]
-        return []
+            problems.append(("data.packing", "packing needs `model.attention: packed`; with "
+                             f"{self.model.attention!r} packed conversations would attend to each other"))
+        if self.train.max_steps is not None and self.optim.warmup_steps > self.train.max_steps:
+            problems.append(("optim.warmup_steps",
+                             f"{self.optim.warmup_steps} warmup steps is longer than the run "
+                             f"(train.max_steps: {self.train.max_steps}): the learning rate would never "
+                             "reach `optim.lr`"))
+        return problems
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -307,38 +354,128 @@ class Recipe:
 
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-    """Read, override, validate and resolve a recipe file; raise `RecipeError` listing every problem."""
+    """Read, override, validate and resolve a recipe file; raise `RecipeError` listing every problem.
+
+    Each problem names where it is to be fixed: the recipe file (`recipe.yaml: optim.lr: ...`) or
+    the override that wrote its key (`--set optim.lr=-1: must be > 0, got -1.0`).
+    """
     path = Path(path)
     source = str(path)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise RecipeError(["recipe file not found"], source) from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as err:
-        raise RecipeError([f"cannot read recipe: {err}"], source) from None
-    raw = parse_yaml(text, source)
+    except IsADirectoryError:
+        raise RecipeError(["cannot read recipe: it is a directory"], source) from None
+    except OSError as err:
+        raise RecipeError([f"cannot read recipe: {err.strerror or err}"], source) from None
+    except UnicodeDecodeError as err:
+        raise RecipeError([f"cannot read recipe: not valid UTF-8 (byte {err.start})"], source) from None
+    raw, problems = parse_yaml(text, source)
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise RecipeError([f"the recipe must be a mapping of sections, got {type(raw).__name__}"], source)
+        raise RecipeError([f"the recipe must be a mapping of sections, got {_describe(raw)}"], source)
     raw = apply_overrides(raw, overrides)
-    recipe = recipe_from_dict(raw, source)
-    return resolve_paths(recipe, path.parent)
-
-
-def parse_yaml(text: str, source: str) -> Any:
     try:
-        return yaml.safe_load(text)
+        recipe = recipe_from_dict(raw)
+    except RecipeError as err:
+        problems = problems + err.problems
+    else:
+        if not problems:
+            return resolve_paths(recipe, path.parent)
+    raise RecipeError(_attribute(problems, source, overrides))
+
+
+def _attribute(problems: list[str], source: str, overrides: list[str] | tuple[str, ...]) -> list[str]:
+    """Prefix each `key.path: message` problem with the override that wrote its key (the last one
+    that did), else with the recipe file."""
+    written = [(item, item.partition("=")[0].strip()) for item in overrides]
+    lines = []
+    for problem in problems:
+        key, _, message = problem.partition(": ")
+        for item, wrote in reversed(written):
+            if key == wrote:
+                lines.append(f"--set {_shorten(item)}: {message}")
+                break
+            if key.startswith((f"{wrote}.", f"{wrote}[")):
+                lines.append(f"--set {_shorten(item)}: {problem}")
+                break
+        else:
+            lines.append(f"{source}: {problem}")
+    return lines
+
+
+def parse_yaml(text: str, source: str, *, lines: bool = True) -> tuple[Any, list[str]]:
+    """The YAML document in `text`, and its duplicate keys as problems (`optim: duplicate key, ...`).
+
+    PyYAML keeps the last of two equal keys of a mapping: a second `optim:` section would silently
+    replace the first, so every duplicate, at any depth, is reported with both line numbers (`lines`;
+    without them for one-line texts). A syntax error raises `RecipeError` with its line and column.
+    """
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        problems = _duplicate_keys(node, lines=lines)
+        data = loader.construct_document(node) if node is not None else None
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         raise RecipeError([f"YAML syntax error at {where}{err.problem or err.context}"], source) from None
     except yaml.YAMLError as err:
-        raise RecipeError([f"YAML error: {err}"], source) from None
+        raise RecipeError([f"YAML error: {_first_line(err)}"], source) from None
+    except RecursionError:
+        raise RecipeError(["YAML error: nested too deeply"], source) from None
+    except ValueError as err:  # a constructor's own check: Python reads no integer of over 4300 digits
+        reason = "an integer too long to read" if "digits" in str(err) else _first_line(err)
+        raise RecipeError([f"YAML error: {reason}"], source) from None
+    finally:
+        loader.dispose()
+    return data, problems
+
+
+def _duplicate_keys(root: yaml.Node | None, *, lines: bool) -> list[str]:
+    """`path: duplicate key (lines a and b)` for every key given twice in one mapping, in the order
+    of the text, and `path: ...` for an alias to a node that contains it (a recursive structure)."""
+    found: list[tuple[int, str]] = []
+    stack: list[tuple[yaml.Node, str, frozenset[int]]] = [(root, "", frozenset())] if root is not None else []
+    done: set[int] = set()
+    while stack:
+        node, path, ancestors = stack.pop()
+        if id(node) in ancestors:
+            found.append((node.start_mark.line, f"{path}: an alias refers to a node that contains it "
+                                                 "(a recursive structure)"))
+            continue
+        if id(node) in done:  # an alias to a node already checked
+            continue
+        done.add(id(node))
+        inside = ancestors | {id(node)}
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[tuple[str, str], yaml.Node] = {}
+            for key_node, value_node in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                child = f"{path}.{key_node.value}" if path else key_node.value
+                first = seen.setdefault((key_node.tag, key_node.value), key_node)
+                if first is not key_node:
+                    a, b = first.start_mark, key_node.start_mark
+                    where = ("" if not lines else f" (lines {a.line + 1} and {b.line + 1})" if a.line != b.line
+                             else f" (line {a.line + 1}, columns {a.column + 1} and {b.column + 1})")
+                    found.append((key_node.start_mark.line, f"{child}: duplicate key{where}; "
+                                  "the second would silently replace the first"))
+                stack.append((value_node, child, inside))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                stack.append((item, f"{path}[{i}]", inside))
+    return [problem for _, problem in sorted(found, key=lambda f: f[0])]
 
 
 def apply_overrides(raw: dict, overrides: list[str] | tuple[str, ...]) -> dict:
-    """Apply `a.b.c=value` overrides (the value parsed as YAML) to a copy of the raw mapping."""
+    """Apply `a.b.c=value` overrides (the value parsed as YAML) to a copy of the raw mapping.
+
+    A key missing or null on the way is created as a mapping (`--set lora.r=8` with no `lora`
+    section); a key on the way that holds something else is an error, as is a malformed override.
+    """
     import copy
 
     raw = copy.deepcopy(raw)
@@ -346,25 +483,40 @@ def apply_overrides(raw: dict, overrides: list[str] | tuple[str, ...]) -> dict:
     for item in overrides:
         key, sep, text = item.partition("=")
         key = key.strip()
-        if not sep or not key:
-            problems.append(f"--set {item!r}: expected KEY=VALUE, e.g. optim.lr=1e-4")
+        parts = key.split(".")
+        shown = _shorten(item)
+        if not sep or not all(parts):
+            problems.append(f"--set {shown}: expected KEY=VALUE with a dotted KEY, e.g. optim.lr=1e-4")
             continue
         try:
-            value = yaml.safe_load(text) if text.strip() else None
-        except yaml.YAMLError:
-            value = text
+            value, duplicates = parse_yaml(text, f"--set {shown}", lines=False) if text.strip() else (None, [])
+        except RecipeError:
+            value, duplicates = text, []  # not YAML: the text itself (the schema says if a string fits)
+        problems.extend(f"--set {shown}: {key}{'' if p.startswith('[') else '.'}{p}" for p in duplicates)
         node = raw
-        parts = key.split(".")
-        for part in parts[:-1]:
+        for depth, part in enumerate(parts[:-1], 1):
             child = node.get(part)
-            if not isinstance(child, dict):
-                child = {}
-                node[part] = child
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                problems.append(f"--set {shown}: `{'.'.join(parts[:depth])}` holds {_describe(child)}, "
+                                "not a mapping of keys")
+                break
             node = child
-        node[parts[-1]] = value
+        else:
+            node[parts[-1]] = value
     if problems:
         raise RecipeError(problems)
     return raw
+
+
+def _shorten(text: str, width: int = 80) -> str:
+    return text if len(text) <= width else f"{text[: width - 3]}..."
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def recipe_from_dict(raw: dict, source: str | None = None) -> Recipe:
@@ -466,15 +618,25 @@ def _convert(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
             return value
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if not INT_MIN <= value <= INT_MAX:
+                problems.append(f"{path}: out of range: an integer must fit in 64 bits "
+                                f"(-2^63 to 2^63-1), got {_describe(value)}")
+                return None
             return value
     elif tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
+            number = _to_float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if not math.isfinite(number):
+                problems.append(f"{path}: must be a finite number, got {_describe(value)}")
+                return None
+            return number
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -497,18 +659,32 @@ def _type_name(tp: Any) -> str:
     )
 
 
-def _describe(value: Any) -> str:
+def _to_float(value: int | float) -> float:
+    """`float(value)`, infinite where an integer is too large for a float (instead of raising)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def _describe(value: Any, width: int = 60) -> str:
+    """A value as a problem message shows it: `null`, `true`, `a list`, or its repr, shortened."""
     if value is None:
         return "null"
     if isinstance(value, bool):
         return f"{str(value).lower()}"
     if isinstance(value, (dict, list)):
         return {dict: "a mapping", list: "a list"}[type(value)]
-    return repr(value)
+    if isinstance(value, int) and value.bit_length() > 200:  # repr is slow, or refused, past 4300 digits
+        return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    text = repr(value)
+    return text if len(text) <= width else f"{text[: width - 3]}..."
 
 
 def resolve_paths(recipe: Recipe, base: Path) -> Recipe:
-    """Point relative paths at the recipe's folder when a file or folder of that name is there."""
+    """Point relative paths at the recipe's folder when a file or folder of that name is there, or
+    the folder that the path starts with (`data/missing.jsonl` next to a folder `data`: the path
+    is meant there, and a missing file is reported there rather than looked up on the hub)."""
 
     def local(p: str | None) -> str | None:
         if p is None:
@@ -517,7 +693,9 @@ def resolve_paths(recipe: Recipe, base: Path) -> Recipe:
         if expanded.is_absolute():
             return str(expanded)
         candidate = base / expanded
-        return str(candidate) if candidate.exists() else p
+        if candidate.exists() or (len(expanded.parts) > 1 and (base / expanded.parts[0]).is_dir()):
+            return str(candidate)
+        return p
 
     model = dataclasses.replace(recipe.model, name_or_path=local(recipe.model.name_or_path),
                                 tokenizer=local(recipe.model.tokenizer))
@@ -621,6 +799,9 @@ def reference_markdown() -> str:
         "Generated from `ligertune/recipe.py` by `python -m ligertune.recipe > docs/recipe.md`.",
         "Override any key from the command line: `ligertune train RECIPE --set optim.lr=1e-4`",
         "(the value is parsed as YAML).",
+        "",
+        "Every number must be finite (no `.nan` or `.inf`) and every integer fit in 64 bits; a key",
+        "given twice in one mapping is an error (YAML would silently keep the second).",
     ]
     for key, tp, default, doc in field_docs():
         if tp == "section":

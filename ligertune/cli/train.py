@@ -1,7 +1,8 @@
-"""`ligertune train`: run a recipe."""
+"""`ligertune train`: run a recipe, or continue one with `--resume`."""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -9,6 +10,7 @@ import typer
 from rich.console import Console
 
 from ligertune.cli.options import RecipeArg, SetOpt
+from ligertune.errors import UserError
 
 
 def train(
@@ -20,17 +22,45 @@ def train(
     max_steps: Annotated[
         Optional[int], typer.Option("--max-steps", min=1, help="Stop after N optimizer steps (overrides train.max_steps).")
     ] = None,
+    resume: Annotated[
+        bool,
+        typer.Option("--resume", help="Continue the run in output.dir from its latest checkpoint (or from CHECKPOINT)."),
+    ] = False,
+    checkpoint: Annotated[
+        Optional[Path],
+        typer.Argument(help="With --resume: the checkpoint or run directory to continue from.", show_default=False),
+    ] = None,
 ) -> None:
     """Fine-tune the recipe's model on its data.
+
+    Ctrl-C (or SIGTERM) finishes the step under way, writes a checkpoint and prints the command
+    that continues the run: `ligertune train RECIPE --resume [CHECKPOINT]`.
 
     Example: [bold]ligertune train recipes/quickstart.yaml --set optim.lr=1e-3 --max-steps 50[/]
     """
     from ligertune.recipe import load_recipe
     from ligertune.training import train as run_training
+    from ligertune.training.trainer import RunInterrupted
 
     overrides = list(set_ or [])
     if output_dir is not None:
         overrides.append(f"output.dir={output_dir}")
     if max_steps is not None:
         overrides.append(f"train.max_steps={max_steps}")
-    run_training(load_recipe(recipe, overrides), console=Console())
+    if checkpoint is not None and not resume:
+        raise UserError(f"{checkpoint}: a checkpoint to continue from goes with --resume")
+    console = Console()
+    try:
+        run_training(load_recipe(recipe, overrides), console=console,
+                     resume=(checkpoint or "latest") if resume else None,
+                     resume_command=shlex.join(["ligertune", "train", str(recipe),
+                                                *(f"--set={o}" for o in overrides), "--resume"]))
+    except RunInterrupted as stop:
+        Console(stderr=True, highlight=False).print(str(stop), markup=False)
+        raise typer.Exit(stop.exit_code) from None
+    except KeyboardInterrupt:
+        Console(stderr=True, highlight=False).print(
+            "interrupted; nothing half-written was left (the last complete checkpoint, if any, is intact)",
+            markup=False,
+        )
+        raise typer.Exit(130) from None

@@ -1,25 +1,56 @@
-"""Writing a run's files so that none is ever left half-written."""
+"""A run's files, written so that none is ever left half-written.
+
+    OUTPUT/
+      recipe.yaml                 the resolved recipe
+      metrics.jsonl               one JSON object per record, strict JSON (no NaN literals)
+      checkpoints/
+        step-000200/              model (or LoRA adapters) + tokenizer, Hugging Face format,
+          trainer_state.pt        and the rest of the run: optimizer, schedule, RNG, data position
+        step-000400/
+        latest -> step-000400     a symbolic link, moved only once its target is complete
+      final/                      the model at the end of the run
+      .lock                       the PID of the process writing here
+
+A directory is written into a temporary sibling (`.step-000400.tmp-*`), every file fsynced, then
+renamed into place; `latest` is then replaced by a new link in one rename. A crash or a failed write
+at any point leaves the previous checkpoint and `latest` as they were.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+TRAINER_STATE = "trainer_state.pt"
+_STEP_DIR = re.compile(r"^step-(\d{6,})$")
+
+
+# --------------------------------------------------------------------------------------------------
+# atomic writes
+
 
 def write_atomic_dir(target: Path, write: Callable[[Path], None]) -> Path:
-    """Fill a temporary sibling directory with `write(tmp)`, then rename it onto `target`.
+    """Fill a temporary sibling directory with `write(tmp)`, fsync it, then rename it onto `target`.
 
     A crash leaves either the previous `target` or the new one, never a mix; the temporary
-    directory of a failed write is removed.
+    directory of a failed (or interrupted) write is removed.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; a run's folders follow the umask
         write(tmp)
+        _fsync_tree(tmp)
         if target.exists():
             old = target.with_name(f".{target.name}.old-{os.getpid()}")
             os.replace(target, old)
@@ -27,6 +58,7 @@ def write_atomic_dir(target: Path, write: Callable[[Path], None]) -> Path:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, target)
+        _fsync_dir(target.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -36,8 +68,49 @@ def write_atomic_dir(target: Path, write: Callable[[Path], None]) -> Path:
 def write_atomic_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_tree(root: Path) -> None:
+    for folder, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(folder))
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some platforms cannot open a directory; the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------------------------------
+# checkpoints
 
 
 def save_model(target: Path, model: Any, tokenizer: Any) -> Path:
@@ -50,15 +123,118 @@ def save_model(target: Path, model: Any, tokenizer: Any) -> Path:
     return write_atomic_dir(target, write)
 
 
-class MetricsLog:
-    """`metrics.jsonl`: one JSON object per line, flushed as written so a crash keeps what was logged."""
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:06d}"
 
-    def __init__(self, path: Path):
+
+def checkpoint_steps(folder: Path) -> list[tuple[int, Path]]:
+    """The complete checkpoints under `folder` (`step-*` directories), oldest first."""
+    if not folder.is_dir():
+        return []
+    found = []
+    for path in folder.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if match and path.is_dir() and not path.is_symlink():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def save_checkpoint(run_dir: Path, step: int, model: Any, tokenizer: Any, state: dict, *, keep: int) -> Path:
+    """Write checkpoint `step` (model, tokenizer, trainer state), point `latest` at it, then remove
+    the oldest checkpoints beyond `keep`."""
+    folder = run_dir / CHECKPOINTS
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        torch.save(state, tmp / TRAINER_STATE)
+
+    target = write_atomic_dir(folder / checkpoint_name(step), write)
+    point_latest(folder, target.name)
+    for _, old in checkpoint_steps(folder)[:-keep]:
+        if old != target:
+            shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def point_latest(folder: Path, name: str) -> None:
+    """Make `folder/latest` a link to `name`, replacing the old link in one rename."""
+    tmp = folder / f".{LATEST}.tmp-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    os.symlink(name, tmp)
+    try:
+        os.replace(tmp, folder / LATEST)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(folder)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint `latest` points at, if it is complete."""
+    link = run_dir / CHECKPOINTS / LATEST
+    if not link.is_symlink() and not link.exists():
+        return None
+    target = link.resolve()
+    return target if (target / TRAINER_STATE).is_file() else None
+
+
+def load_trainer_state(checkpoint: Path) -> dict:
+    return torch.load(checkpoint / TRAINER_STATE, map_location="cpu", weights_only=True)
+
+
+def remove_stale_temporaries(run_dir: Path) -> None:
+    """Temporary directories and links left by a process that was killed mid-write."""
+    for folder in (run_dir, run_dir / CHECKPOINTS):
+        if not folder.is_dir():
+            continue
+        for path in folder.iterdir():
+            if path.name.startswith(".") and (".tmp-" in path.name or ".old-" in path.name):
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# metrics
+
+
+def strict_json(record: dict) -> dict:
+    """The record with non-finite numbers as null: JSON has no NaN or Infinity."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if line:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut short by a crash
+                break
+    return records
+
+
+class MetricsLog:
+    """`metrics.jsonl`: one JSON object per line, flushed as written so a crash keeps what was logged.
+
+    `resume_after=k` continues a run from its checkpoint at step k: the records the interrupted run
+    wrote after step k are dropped, so the file reads as one run.
+    """
+
+    def __init__(self, path: Path, *, resume_after: int | None = None):
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = path.open("w", encoding="utf-8")
+        if resume_after is not None:
+            kept = [r for r in read_metrics(path) if r.get("step", 0) <= resume_after]
+            write_atomic_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+        self._file = path.open("a" if resume_after is not None else "w", encoding="utf-8")
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
         self._file.flush()
 
     def close(self) -> None:

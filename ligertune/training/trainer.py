@@ -18,8 +18,11 @@ step was cut (docs/loss.md).
 from __future__ import annotations
 
 import contextlib
+import math
 import resource
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +34,7 @@ from rich.console import Console
 
 from ligertune.data import Batch, Pack, PaddedBatch, TokenizedExample, collate, collate_padded
 from ligertune.devices import synchronize
-from ligertune.errors import UserError
+from ligertune.errors import EnvironmentFault, UserError
 from ligertune.kernels import active_path
 from ligertune.models import CausalLMLoss, load_tokenizer
 from ligertune.recipe import Recipe, dump_recipe
@@ -46,10 +49,20 @@ from ligertune.training.build import (
     packs_per_step,
     total_steps,
 )
-from ligertune.training.checkpoint import MetricsLog, save_model, write_atomic_text
+from ligertune.training.checkpoint import (
+    MetricsLog,
+    latest_checkpoint,
+    load_trainer_state,
+    remove_stale_temporaries,
+    save_checkpoint,
+    save_model,
+    write_atomic_text,
+)
 from ligertune.training.display import TrainProgress, sample_table, summary_table
 from ligertune.training.loss_weights import step_token_weights
-from ligertune.training.state import PackStream, RunState
+from ligertune.training.resume import check_resumable, find_checkpoint, load_model_weights
+from ligertune.training.run_dir import RunLock, check_output_dir, claim_output_dir
+from ligertune.training.state import PackStream, RunState, capture_rng, restore_rng
 
 Clock = Callable[[], float]
 
@@ -64,6 +77,7 @@ class TrainResult:
     train_loss: float | None
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     sample: tuple[str, str, str] | None = None
+    skipped_steps: int = 0
 
 
 @dataclass
@@ -79,6 +93,8 @@ class StepStats:
     """Non-padding tokens that went through the model."""
     lr: float
     grad_norm: float
+    skipped: str | None = None
+    """Why the update was dropped ("nonfinite"), or None."""
 
 
 class Throughput:
@@ -143,8 +159,10 @@ class Run:
     meter: Throughput
     state: RunState = field(default_factory=RunState)
     stream: PackStream | None = None
+    lock: RunLock | None = None
     last_loss: float | None = None
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    resume_command: str = "ligertune train RECIPE --resume"
 
     def __post_init__(self) -> None:
         if self.stream is None:
@@ -159,13 +177,37 @@ class Run:
         return [p for p in self.model.parameters() if p.requires_grad]
 
 
-def train(recipe: Recipe, *, console: Console | None = None, clock: Clock = time.perf_counter) -> TrainResult:
-    """Train the recipe's model on its data; write metrics and the final model to `output.dir`."""
+class RunInterrupted(Exception):
+    """SIGINT or SIGTERM stopped the run after a complete step and a checkpoint."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path, command: str):
+        self.exit_code = 128 + signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+        name = signal.Signals(signum).name
+        super().__init__(f"{name}: stopped after step {step}, checkpoint {checkpoint}; resume with: {command}")
+
+
+class TrainingDiverged(EnvironmentFault):
+    """Too many consecutive steps with a non-finite loss or gradient."""
+
+
+def train(
+    recipe: Recipe,
+    *,
+    console: Console | None = None,
+    resume: str | Path | None = None,
+    resume_command: str | None = None,
+    clock: Clock = time.perf_counter,
+) -> TrainResult:
+    """Train the recipe's model on its data; write metrics, checkpoints and the final model to
+    `output.dir`. `resume` ("latest" or a checkpoint path) continues an earlier run exactly."""
     console = console or Console(stderr=False)
     transformers.utils.logging.disable_progress_bar()  # the run has its own display
-    run = setup(recipe, console, clock=clock)
+    run = setup(recipe, console, resume=resume, clock=clock)
+    if resume_command:
+        run.resume_command = resume_command
     try:
-        return train_loop(run)
+        with StopSignals() as stop:
+            return train_loop(run, stop)
     finally:
         cleanup(run)
 
@@ -174,21 +216,18 @@ def train(recipe: Recipe, *, console: Console | None = None, clock: Clock = time
 # setup
 
 
-def prepare_output_dir(path: Path, overwrite: bool) -> Path:
-    if (path / "final").exists() and not overwrite:
-        raise UserError(
-            f"output.dir: {path} already holds a finished run (final/); choose another with "
-            "--output-dir or allow it with --set output.overwrite=true"
-        )
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def setup(recipe: Recipe, console: Console, *, clock: Clock = time.perf_counter) -> Run:
+def setup(recipe: Recipe, console: Console, *, resume: str | Path | None = None,
+          clock: Clock = time.perf_counter) -> Run:
     cfg = recipe.train
+    output_dir = Path(recipe.output.dir)
+    check_output_dir(output_dir, resume=resume is not None, overwrite=recipe.output.overwrite)
+    checkpoint = saved = None
+    if resume is not None:
+        checkpoint = find_checkpoint(output_dir, resume)
+        saved = load_trainer_state(checkpoint)
+        check_resumable(saved["recipe"], recipe, checkpoint)
     device = build_device(cfg)
     torch.manual_seed(cfg.seed)
-    output_dir = prepare_output_dir(Path(recipe.output.dir), recipe.output.overwrite)
 
     tokenizer = load_tokenizer(recipe.model)
     data = build_data(recipe, tokenizer)
@@ -199,14 +238,38 @@ def setup(recipe: Recipe, console: Console, *, clock: Clock = time.perf_counter)
     steps = total_steps(cfg, len(data.train_packs))
     scheduler = build_scheduler(optimizer, recipe.optim, total_steps=steps)
 
-    write_atomic_text(output_dir / "recipe.yaml", dump_recipe(recipe))
+    lock = claim_output_dir(output_dir, replace=recipe.output.overwrite and resume is None,
+                            notice=console.print)
+    try:
+        remove_stale_temporaries(output_dir)
+        write_atomic_text(output_dir / "recipe.yaml", dump_recipe(recipe))
+        metrics = MetricsLog(output_dir / "metrics.jsonl",
+                             resume_after=saved["run"]["step"] if saved is not None else None)
+    except OSError as err:
+        lock.release()
+        raise UserError(f"output.dir: cannot write {output_dir}: {err.strerror or err}") from None
     run = Run(
         recipe=recipe, device=device, console=console, tokenizer=tokenizer, model=model, head=head,
         optimizer=optimizer, scheduler=scheduler, data=data, total_steps=steps, output_dir=output_dir,
-        metrics=MetricsLog(output_dir / "metrics.jsonl"), meter=Throughput(device, clock),
+        metrics=metrics, meter=Throughput(device, clock), lock=lock,
     )
     describe_run(run, built.dtype, built.patches.describe() if built.patches else "none")
+    if checkpoint is not None:
+        restore(run, checkpoint, saved)
     return run
+
+
+def restore(run: Run, checkpoint: Path, saved: dict) -> None:
+    """Continue from `checkpoint`: weights, optimizer, schedule, data position and RNG as they were."""
+    load_model_weights(run.model, checkpoint)
+    run.optimizer.load_state_dict(saved["optimizer"])
+    run.scheduler.load_state_dict(saved["scheduler"])
+    run.state = RunState.from_dict(saved["run"])
+    run.last_loss = saved.get("last_loss")
+    run.eval_losses = [tuple(x) for x in saved.get("eval_losses", [])]
+    restore_rng(saved["rng"])  # last: building the run drew from the generators
+    run.console.print(f"resumed from {checkpoint} at step {run.state.step} "
+                      f"(epoch {run.state.epoch}, pack {run.state.index})")
 
 
 def describe_run(run: Run, dtype: torch.dtype, patches: str) -> None:
@@ -234,7 +297,31 @@ def describe_run(run: Run, dtype: torch.dtype, patches: str) -> None:
 # the loop
 
 
-def train_loop(run: Run) -> TrainResult:
+class StopSignals:
+    """SIGINT and SIGTERM ask the loop to stop after the step under way (`requested`); a second
+    signal stops at once (KeyboardInterrupt). Outside the main thread, signals are left alone."""
+
+    def __init__(self) -> None:
+        self.requested: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.requested is not None:
+            raise KeyboardInterrupt
+        self.requested = signum
+
+
+def train_loop(run: Run, stop: StopSignals | None = None) -> TrainResult:
     cfg = run.recipe.train
     run.head.train()
     if run.device.type == "cuda":
@@ -249,8 +336,11 @@ def train_loop(run: Run) -> TrainResult:
             result = maybe_evaluate(run, progress)
             if record is not None and result is not None:
                 record = {**record, **result}
-            maybe_save(run)
+            saved = maybe_save(run)
             progress.advance(run.state.step, record)
+            if stop is not None and stop.requested is not None:
+                checkpoint = saved or save(run)
+                raise RunInterrupted(stop.requested, run.state.step, checkpoint, run.resume_command)
     return finish(run)
 
 
@@ -263,31 +353,53 @@ def next_batches(run: Run) -> list[Batch | PaddedBatch]:
 
 def train_step(run: Run, batches: list[Batch | PaddedBatch]) -> StepStats:
     """One optimizer step over `batches`: forward and backward with step-level loss weights, global
-    gradient-norm clipping, the update and the schedule."""
+    gradient-norm clipping, the update and the schedule.
+
+    A step whose loss or gradient norm is not finite updates nothing (its gradients are dropped)
+    and is counted; `train.max_skipped_steps` of them in a row stop the run.
+    """
     totals = forward_backward(run, batches, backward=True)
     max_norm = run.recipe.optim.max_grad_norm or float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(run.trainable, max_norm)
     lr = run.scheduler.get_last_lr()[0]
-    run.optimizer.step()
-    run.scheduler.step()
-    run.optimizer.zero_grad(set_to_none=True)
-    run.state.step += 1
-    # One transfer to the host for all of the step's numbers.
+    # One transfer to the host for all of the step's numbers (and the finiteness check).
     n_real = sum(real_tokens(b) for b in batches)
     numbers = [totals["loss"], totals["z_loss"], totals["n_correct"], totals["n_tokens"],
                torch.as_tensor(n_real, device=run.device), grad_norm]
     loss, z_loss, n_correct, n_tokens, n_real, norm = torch.stack([x.double() for x in numbers]).tolist()
-    return StepStats(
+    state = run.state
+    finite = math.isfinite(loss) and math.isfinite(norm)
+    if finite:
+        run.optimizer.step()
+        state.consecutive_skips = 0
+    else:
+        state.skipped_steps += 1
+        state.consecutive_skips += 1
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    state.step += 1
+    stats = StepStats(
         loss=loss - z_loss, z_loss=z_loss, token_accuracy=n_correct / max(n_tokens, 1), tokens=int(n_tokens),
-        real_tokens=int(n_real), lr=lr, grad_norm=norm,
+        real_tokens=int(n_real), lr=lr, grad_norm=norm, skipped=None if finite else "nonfinite",
     )
+    if state.consecutive_skips >= run.recipe.train.max_skipped_steps:
+        log(run, stats)
+        latest = latest_checkpoint(run.output_dir)
+        raise TrainingDiverged(
+            f"step {state.step}: {state.consecutive_skips} steps in a row had a non-finite loss or gradient "
+            "norm, so the run stopped; likely causes: a learning rate too high (optim.lr), an epsilon too "
+            "small for the dtype (optim.eps), or broken data in these steps; "
+            + (f"the last good checkpoint is {latest}" if latest else "no checkpoint was written")
+        )
+    return stats
 
 
 def log(run: Run, stats: StepStats) -> dict | None:
-    """Count the step's tokens; every `log_every` steps (and at the last) write its metrics record."""
+    """Count the step's tokens; every `log_every` steps, at the last step and at every skipped step
+    write its metrics record."""
     run.meter.add(stats.real_tokens, stats.tokens)
     step = run.state.step
-    if step % run.recipe.train.log_every and step != run.total_steps:
+    if step % run.recipe.train.log_every and step != run.total_steps and not stats.skipped:
         return None
     tokens_per_s, trained_tokens_per_s = run.meter.lap()
     record = {
@@ -302,7 +414,10 @@ def log(run: Run, stats: StepStats) -> dict | None:
         "trained_tokens_per_s": trained_tokens_per_s,
         "peak_mem_gib": peak_memory_gib(run.device),
     }
-    run.last_loss = stats.loss
+    if stats.skipped:
+        record["skipped"] = stats.skipped
+    else:
+        run.last_loss = stats.loss
     run.metrics.write(record)
     return record
 
@@ -326,25 +441,72 @@ def evaluate_and_log(run: Run, progress: TrainProgress) -> dict:
     return result
 
 
-def maybe_save(run: Run) -> None:
+def maybe_save(run: Run) -> Path | None:
     """A checkpoint every `save_every` steps (the last step's model is written by `finish`)."""
     every, step = run.recipe.train.save_every, run.state.step
     if every and step % every == 0 and step != run.total_steps:
-        with run.meter.excluded():
-            save_model(run.output_dir / "checkpoints" / f"step-{step}", run.model, run.tokenizer)
+        return save(run)
+    return None
+
+
+def save(run: Run) -> Path:
+    """A checkpoint of the whole run at this step, timed apart from the throughput window."""
+    check_finite_weights(run)
+    state = {
+        "format": 1,
+        "run": run.state.to_dict(),
+        "optimizer": run.optimizer.state_dict(),
+        "scheduler": run.scheduler.state_dict(),
+        "rng": capture_rng(),
+        "recipe": run.recipe.to_dict(),
+        "last_loss": run.last_loss,
+        "eval_losses": run.eval_losses,
+    }
+    with run.meter.excluded() as timing, written(run, "checkpoint"):
+        path = save_checkpoint(run.output_dir, run.state.step, run.model, run.tokenizer, state,
+                               keep=run.recipe.train.keep_checkpoints)
+    run.metrics.write({"step": run.state.step, "checkpoint": str(path.relative_to(run.output_dir)),
+                       "save_s": timing["seconds"]})
+    return path
+
+
+@contextlib.contextmanager
+def written(run: Run, what: str) -> Iterator[None]:
+    """Turn a failed write (full disk, permissions) into one line naming the cause; the temporary
+    files are gone already and the previous checkpoint is intact."""
+    try:
+        yield
+    except OSError as err:
+        where = f" ({err.filename})" if err.filename else ""
+        latest = latest_checkpoint(run.output_dir)
+        kept = f"; the last checkpoint {latest} is intact" if latest else ""
+        raise EnvironmentFault(f"cannot write the {what} in {run.output_dir}{where}: "
+                               f"{err.strerror or err}{kept}") from None
+
+
+def check_finite_weights(run: Run) -> None:
+    """No file the run writes may hold a NaN or infinite weight."""
+    finite = torch.stack([p.detach().isfinite().all() for p in run.trainable]).all()
+    if not bool(finite):
+        raise TrainingDiverged(f"step {run.state.step}: a trainable weight is not finite; nothing was saved")
 
 
 def finish(run: Run) -> TrainResult:
     """The final model, a greedy sample of a held-out conversation, and the summary."""
-    final_dir = save_model(run.output_dir / "final", run.model, run.tokenizer)
+    check_finite_weights(run)
+    with written(run, "final model"):
+        final_dir = save_model(run.output_dir / "final", run.model, run.tokenizer)
     sample = greedy_sample(run) if run.eval_examples else None
-    result = TrainResult(run.output_dir, final_dir, run.state.step, run.last_loss, run.eval_losses, sample)
+    result = TrainResult(run.output_dir, final_dir, run.state.step, run.last_loss, run.eval_losses, sample,
+                         skipped_steps=run.state.skipped_steps)
     show_summary(run, result)
     return result
 
 
 def cleanup(run: Run) -> None:
     run.metrics.close()
+    if run.lock is not None:
+        run.lock.release()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -461,6 +623,8 @@ def greedy_sample(run: Run, tail_chars: int = 300) -> tuple[str, str, str]:
 
 def show_summary(run: Run, result: TrainResult) -> None:
     rows = [("steps", str(result.steps))]
+    if result.skipped_steps:
+        rows.append(("skipped steps", f"{result.skipped_steps} (non-finite loss or gradient)"))
     if result.train_loss is not None:
         rows.append(("final train loss", f"{result.train_loss:.4f}"))
     if result.eval_losses:

@@ -11,15 +11,17 @@ from rich.console import Console
 from transformers import AutoModelForCausalLM
 
 from ligertune.recipe import load_recipe
-from ligertune.training.trainer import setup, train_loop
+from ligertune.training.trainer import cleanup, setup, train_loop
 from tiny_recipe import write_recipe
 
 
 def run(recipe_path: Path, *overrides: str):
     recipe = load_recipe(recipe_path, list(overrides))
     state = setup(recipe, Console(quiet=True))
-    result = train_loop(state)
-    state.metrics.close()
+    try:
+        result = train_loop(state)
+    finally:
+        cleanup(state)
     return state, result
 
 

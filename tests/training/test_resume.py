@@ -251,3 +251,23 @@ def test_a_signal_stops_after_a_checkpoint_and_the_run_resumes_to_the_same_end(t
     finish(straight)
     for p, q in zip(straight.model.parameters(), resumed.model.parameters()):
         assert torch.equal(p, q)
+
+
+def test_a_second_ctrl_c_during_a_checkpoint_write_leaves_nothing_half_written(tmp_path: Path, monkeypatch):
+    path = write_recipe(tmp_path, train={"max_steps": 6, "save_every": 2, "eval_every": None})
+    run = start(path)
+    real_save = checkpoint_module.torch.save
+    calls = []
+
+    def interrupted(obj, f, *args, **kwargs):
+        calls.append(f)
+        if len(calls) == 2:  # the second checkpoint, after its model files were written
+            raise KeyboardInterrupt
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        finish(run)
+    folder = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["latest", "step-000002"]
+    assert latest_checkpoint(tmp_path / "run").name == "step-000002"

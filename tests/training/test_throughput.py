@@ -1,0 +1,82 @@
+"""The throughput a run reports: wall clock over the logging window, evaluation and saves apart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+import ligertune.training.trainer as trainer_module
+from ligertune.recipe import load_recipe
+from ligertune.training.checkpoint import read_metrics
+from ligertune.training.trainer import Throughput, cleanup, evaluate, setup, train_loop
+from tiny_recipe import write_recipe
+
+
+class FakeClock:
+    """A clock that only moves when told to."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_throughput_excludes_the_time_set_apart():
+    clock = FakeClock()
+    meter = Throughput(torch.device("cpu"), clock)
+    meter.add(real_tokens=1000, trained_tokens=400)
+    clock.now += 2.0
+    with meter.excluded() as timing:
+        clock.now += 5.0
+    meter.add(real_tokens=1000, trained_tokens=600)
+    clock.now += 2.0
+    assert timing["seconds"] == 5.0
+    assert meter.lap() == (500.0, 250.0)  # 2000 and 1000 tokens over 4 s, not 9
+    clock.now += 1.0
+    meter.add(10, 5)
+    assert meter.lap() == (10.0, 5.0)  # a new window
+
+
+def test_train_reports_tokens_per_second_of_the_window(tmp_path: Path, monkeypatch):
+    """Each step takes 0.5 s of the fake clock and each evaluation 3 s: the rate counts the steps'
+    real tokens over the steps' time only, and the evaluation time is recorded apart."""
+    clock = FakeClock()
+    steps_taken = []
+    real_train_step = trainer_module.train_step
+
+    def timed_step(run, batches):
+        stats = real_train_step(run, batches)
+        clock.now += 0.5
+        steps_taken.append(stats)
+        return stats
+
+    def timed_evaluate(run):
+        clock.now += 3.0
+        return evaluate(run)
+
+    monkeypatch.setattr(trainer_module, "train_step", timed_step)
+    monkeypatch.setattr(trainer_module, "evaluate", timed_evaluate)
+    path = write_recipe(tmp_path, train={"max_steps": 4, "log_every": 2, "eval_every": 1})
+    run = setup(load_recipe(path), Console(quiet=True), clock=clock)
+    try:
+        train_loop(run)
+    finally:
+        cleanup(run)
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in train] == [2, 4]
+    for record, window in zip(train, (steps_taken[0:2], steps_taken[2:4])):
+        real = sum(s.real_tokens for s in window)
+        trained = sum(s.tokens for s in window)
+        assert record["tokens_per_s"] == pytest.approx(real / 1.0)
+        assert record["trained_tokens_per_s"] == pytest.approx(trained / 1.0)
+        assert trained < real
+    assert all(r["eval_s"] == pytest.approx(3.0) for r in evals)
+    # real tokens are the packs' tokens, with no padding
+    assert sum(s.real_tokens for s in steps_taken) == sum(
+        len(p) for p in run.stream.order(0)[:16])

@@ -31,12 +31,15 @@ def _root(
 
 
 def _register() -> None:
-    from ligertune.cli import bench, data, env, recipes, train, validate, verify_loss
+    from ligertune.cli import bench, chat, data, env, merge, plot, recipes, train, validate, verify_loss
 
     app.command("train")(guarded(train.train))
     app.command("validate")(guarded(validate.validate))
     app.command("data")(guarded(data.data))
     app.command("verify-loss")(guarded(verify_loss.verify_loss))
+    app.command("merge")(guarded(merge.merge))
+    app.command("chat")(guarded(chat.chat))
+    app.command("plot")(guarded(plot.plot))
     app.add_typer(bench.app, name="bench")
     app.add_typer(recipes.app, name="recipes")
     app.command("env")(guarded(env.env))

@@ -1,0 +1,133 @@
+"""`ligertune chat`: talk to a trained model, interactively or one prompt at a time."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.text import Text
+
+from ligertune.cli.options import JsonOpt
+
+HELP = "/system TEXT sets the system prompt and starts over, /reset starts over, /exit (or Ctrl-D) quits"
+
+
+def chat(
+    model: Annotated[
+        Path, typer.Argument(help="A run, a checkpoint, a merged model or any Hugging Face model folder.",
+                             show_default=False, metavar="RUN_OR_MODEL")
+    ],
+    prompt: Annotated[
+        Optional[str], typer.Option("--prompt", "-p", help="Answer this one message and exit.",
+                                    show_default=False)
+    ] = None,
+    json_: JsonOpt = False,
+    system: Annotated[
+        Optional[str], typer.Option("--system", help="System prompt.", show_default=False)
+    ] = None,
+    temperature: Annotated[
+        float, typer.Option("--temperature", "-t", help="0 answers greedily (the same answer every time); "
+                            "above 0 samples.")
+    ] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling: keep the most likely tokens "
+                                         "up to this probability mass (with --temperature > 0).")] = 1.0,
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", "-n", help="Longest reply, in tokens.")
+    ] = 256,
+    seed: Annotated[
+        Optional[int], typer.Option("--seed", help="Seed of the sampling (with --temperature > 0).",
+                                    show_default=False)
+    ] = None,
+    device: Annotated[str, typer.Option("--device", help="auto, cuda or cpu.")] = "auto",
+    dtype: Annotated[
+        str, typer.Option("--dtype", help="auto (bf16 on a GPU, fp32 on a CPU), bf16, fp16 or fp32.")
+    ] = "auto",
+) -> None:
+    """Chat with a trained model through its tokenizer's chat template; the reply streams as it comes.
+
+    Without --prompt: an interactive conversation (/system TEXT, /reset, /exit or Ctrl-D).
+    With --prompt: one answer on stdout (--json: prompt, answer and token counts, for scripts).
+
+    Example: [bold]ligertune chat runs/quickstart --prompt "How do I keep basil fresh?" --json[/]
+    """
+    import transformers
+
+    from ligertune.errors import UserError
+    from ligertune.inference import ChatSession, check_sampling, load_for_inference, require_chat_template
+
+    if json_ and prompt is None:
+        raise UserError("--json: needs --prompt (one answer, for scripts)")
+    check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    transformers.utils.logging.disable_progress_bar()
+    loaded = load_for_inference(model, device=device, dtype=dtype)
+    require_chat_template(loaded)
+    session = ChatSession(loaded.model, loaded.tokenizer, system=system, max_new_tokens=max_new_tokens,
+                          temperature=temperature, top_p=top_p, seed=seed)
+    if prompt is None:
+        mode = "greedy" if temperature == 0 else f"temperature {temperature:g}, top-p {top_p:g}"
+        note = Console(stderr=True, highlight=False, soft_wrap=True)
+        note.print(f"[dim]{loaded.source.describe()}, {loaded.device.type}, "
+                   f"{str(loaded.dtype).removeprefix('torch.')}, {mode}[/]")
+        note.print(f"[dim]{HELP}[/]")
+        interact(session, Console(highlight=False, soft_wrap=True))
+        return
+    if json_:
+        reply = session.ask(prompt)
+        print(json.dumps({"model": str(model), "system": system, "prompt": prompt, "answer": reply.text,
+                          "prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens,
+                          "finish_reason": reply.finish_reason, "temperature": temperature, "top_p": top_p,
+                          "max_new_tokens": max_new_tokens, "seed": seed}, indent=2, ensure_ascii=False))
+        return
+    reply = session.ask(prompt, on_text=write)
+    write("\n")
+    if reply.finish_reason == "length":
+        note = Console(stderr=True, highlight=False, soft_wrap=True)
+        note.print(f"[dim]stopped at --max-new-tokens {max_new_tokens}[/]")
+
+
+def interact(session, console: Console) -> None:
+    """Read a line, answer it with the reply streamed, until /exit, Ctrl-D or Ctrl-C at the prompt."""
+    from ligertune.errors import UserError
+    while True:
+        try:
+            line = console.input("[bold cyan]>[/] ").strip()
+        except (EOFError, KeyboardInterrupt):
+            console.print()
+            return
+        if not line:
+            continue
+        if line.startswith("/"):
+            command, _, argument = line.partition(" ")
+            if command in ("/exit", "/quit"):
+                return
+            if command == "/reset":
+                session.reset()
+                console.print("[dim]new conversation[/]")
+            elif command == "/system":
+                session.set_system(argument.strip())
+                state = "set" if session.system else "cleared"
+                console.print(f"[dim]system prompt {state}; new conversation[/]")
+            else:
+                console.print(f"[yellow]unknown command {command}[/]: {HELP}")
+            continue
+        try:
+            reply = session.ask(line, on_text=write)
+        except KeyboardInterrupt:
+            console.print("\n[dim]interrupted; the question is dropped[/]")
+            continue
+        except UserError as err:  # e.g. a chat template without a system role: the loop goes on
+            console.print(Text.assemble(("error:", "bold red"), " ", str(err)))
+            continue
+        write("\n")
+        if reply.finish_reason == "length":
+            console.print(f"[dim](stopped at {reply.completion_tokens} tokens: --max-new-tokens)[/]")
+
+
+def write(text: str) -> None:
+    """Reply text goes to stdout as it is, unstyled, and at once."""
+    sys.stdout.write(text)
+    sys.stdout.flush()

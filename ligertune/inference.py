@@ -1,0 +1,403 @@
+"""Using a trained model: finding it from a run, a checkpoint or a model folder, and answering a chat.
+
+    loaded = load_for_inference(Path("runs/quickstart"))       # the run's final/: full model or LoRA
+    messages = [{"role": "user", "content": "What is packing?"}]
+    reply = generate_reply(loaded.model, loaded.tokenizer, messages, on_text=print)
+    reply.text, reply.prompt_tokens, reply.completion_tokens, reply.finish_reason
+
+What a path may be (`locate_model`):
+
+    runs/x                          a run (recipe.yaml): its final/
+    runs/x/final                    a full model (config.json + weights) or LoRA adapters
+                                    (adapter_config.json)
+    runs/x/checkpoints/step-000100  the same files at the top of a checkpoint
+    any/folder                      any Hugging Face model folder, or a peft adapter folder whose
+                                    adapter_config.json names a local base model
+
+LoRA adapters are applied to the base model the run's recipe describes (`model.name_or_path`, or
+`model.config` rebuilt with the same random weights under `train.seed`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from transformers import GenerationConfig, TextStreamer
+
+from ligertune.devices import resolve_device, resolve_dtype
+from ligertune.errors import UserError
+from ligertune.recipe import ModelConfig, Recipe
+
+ADAPTER_CONFIG = "adapter_config.json"
+MODEL_CONFIG = "config.json"
+RUN_RECIPE = "recipe.yaml"
+_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+# --------------------------------------------------------------------------------------------------
+# finding the model
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What a path handed to `merge` or `chat` points at."""
+
+    path: Path
+    """The path as given."""
+    model_dir: Path
+    """The folder holding the Hugging Face files: config.json + weights, or adapter_config.json."""
+    run_dir: Path | None
+    """The run (folder with recipe.yaml) that wrote `model_dir`, when there is one."""
+    adapters: bool
+    """True when `model_dir` holds LoRA adapters rather than a whole model."""
+
+    def describe(self) -> str:
+        kind = "LoRA adapters" if self.adapters else "model"
+        return f"{kind} in {self.model_dir}"
+
+
+def locate_model(path: Path) -> ModelSource:
+    """Resolve a run, a checkpoint, a run's final/ or a model folder to the folder of model files.
+
+    A user error names `path` when it does not exist or holds no model.
+    """
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise UserError(f"{path}: not found")
+    if not path.is_dir():
+        raise UserError(f"{path}: is a file; expected a run, a checkpoint or a model folder")
+    model_dir = path
+    if _is_run(path) and not _holds_model(path):
+        model_dir = path / "final"
+        if not _holds_model(model_dir):
+            raise UserError(f"{path}: the run has no final/ model yet{_checkpoint_hint(path)}")
+    if not _holds_model(model_dir):
+        raise UserError(
+            f"{path}: holds no model: expected a run (recipe.yaml and final/), a checkpoint "
+            f"(checkpoints/step-N) or a Hugging Face model folder ({MODEL_CONFIG} or {ADAPTER_CONFIG})"
+        )
+    return ModelSource(path=path, model_dir=model_dir, run_dir=_run_of(model_dir),
+                       adapters=(model_dir / ADAPTER_CONFIG).is_file())
+
+
+def run_recipe(source: ModelSource) -> Recipe | None:
+    """The recipe of the run that wrote the model (its resolved recipe.yaml), if there is one."""
+    if source.run_dir is None:
+        return None
+    from ligertune.recipe import load_recipe
+
+    return load_recipe(source.run_dir / RUN_RECIPE)
+
+
+def _is_run(folder: Path) -> bool:
+    return (folder / RUN_RECIPE).is_file()
+
+
+def _holds_model(folder: Path) -> bool:
+    return (folder / ADAPTER_CONFIG).is_file() or (folder / MODEL_CONFIG).is_file()
+
+
+def _run_of(model_dir: Path) -> Path | None:
+    """The run directory: the folder itself, its parent (final/) or its grandparent (checkpoints/step-N)."""
+    parent = Path(os.path.normpath(model_dir / ".."))  # `..` of `.` too, and relative paths stay relative
+    candidates = [model_dir, parent]
+    if parent.resolve().name == "checkpoints":
+        candidates.append(Path(os.path.normpath(parent / "..")))
+    return next((c for c in candidates if _is_run(c)), None)
+
+
+def _checkpoint_hint(run_dir: Path) -> str:
+    from ligertune.training.checkpoint import CHECKPOINTS, checkpoint_steps
+
+    steps = [path for _, path in checkpoint_steps(run_dir / CHECKPOINTS) if _holds_model(path)]
+    if not steps:
+        return " (still training, or stopped before saving one)"
+    return f"; pass one of its checkpoints, e.g. {steps[-1]}"
+
+
+# --------------------------------------------------------------------------------------------------
+# loading
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to generate, with its tokenizer and where it came from."""
+
+    model: Any
+    tokenizer: Any
+    source: ModelSource
+    device: torch.device
+    dtype: torch.dtype
+
+
+def load_tokenizer_for(source: ModelSource, recipe: Recipe | None = None):
+    """The tokenizer saved beside the model (what a run writes into final/ and its checkpoints),
+    else the one the run's recipe names."""
+    from transformers import AutoTokenizer
+
+    if any((source.model_dir / name).is_file() for name in _TOKENIZER_FILES):
+        try:
+            return AutoTokenizer.from_pretrained(source.model_dir)
+        except (OSError, ValueError, KeyError) as err:
+            raise UserError(f"{source.model_dir}: cannot load its tokenizer: {_first_line(err)}") from None
+    if recipe is not None:
+        from ligertune.models import load_tokenizer
+
+        return load_tokenizer(recipe.model)
+    raise UserError(f"{source.model_dir}: no tokenizer files there and no run recipe.yaml to name one")
+
+
+def base_model_config(source: ModelSource, recipe: Recipe | None) -> tuple[ModelConfig, int]:
+    """The recipe's `model` section (for the model's own attention, plain sdpa) and seed of the
+    adapters' base; a bare adapter folder's base is its adapter_config.json `base_model_name_or_path`."""
+    if recipe is not None:
+        return dataclasses.replace(recipe.model, attention="sdpa"), recipe.train.seed
+    try:
+        base = json.loads((source.model_dir / ADAPTER_CONFIG).read_text(encoding="utf-8")).get(
+            "base_model_name_or_path")
+    except (OSError, ValueError) as err:
+        raise UserError(f"{source.model_dir / ADAPTER_CONFIG}: cannot read: {_first_line(err)}") from None
+    if not base:
+        raise UserError(
+            f"{source.path}: LoRA adapters without their base model: no run recipe.yaml above them and "
+            f"no base_model_name_or_path in {ADAPTER_CONFIG}"
+        )
+    return ModelConfig(name_or_path=base, attention="sdpa"), 0
+
+
+def load_base_with_adapters(source: ModelSource, *, device: torch.device, dtype: torch.dtype,
+                            tokenizer, recipe: Recipe | None):
+    """The base model with the adapters of `source.model_dir` applied (a `peft.PeftModel`, eval mode)."""
+    from peft import PeftModel
+
+    from ligertune.models import build_model
+
+    model_cfg, seed = base_model_config(source, recipe)
+    base = build_model(model_cfg, device=device, dtype=dtype, seed=seed, vocab_size=len(tokenizer))
+    try:
+        with warnings.catch_warnings():  # peft calls an API deprecated in transformers 5: not the user's
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            model = PeftModel.from_pretrained(base, source.model_dir, is_trainable=False)
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        raise UserError(f"{source.model_dir}: cannot apply the adapters to their base model: "
+                        f"{_first_line(err)}") from None
+    return model.to(device).eval()
+
+
+def load_full_model(model_dir: Path, *, device: torch.device, dtype: torch.dtype,
+                    trust_remote_code: bool = False):
+    """A whole model folder through `from_pretrained` (eval mode)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
+                                                     trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as err:
+        raise UserError(f"{model_dir}: cannot load the model: {_first_line(err)}") from None
+    return model.to(device).eval()
+
+
+def load_for_inference(path: Path, *, device: str = "auto", dtype: str = "auto",
+                       merge_adapters: bool = True) -> LoadedModel:
+    """A run, checkpoint or model folder loaded for generation on `device` in `dtype`.
+
+    LoRA adapters are applied to their base and, with `merge_adapters`, merged into it (the same
+    function, one matmul less per layer and token). `dtype="auto"` is bfloat16 on CUDA and float32
+    on the CPU; errors in `device` and `dtype` name the options `--device` and `--dtype`.
+    """
+    source = locate_model(path)
+    torch_device = resolve_device(device, key="--device")
+    torch_dtype = resolve_dtype(dtype, torch_device, key="--dtype")
+    recipe = run_recipe(source)
+    tokenizer = load_tokenizer_for(source, recipe)
+    if source.adapters:
+        model = load_base_with_adapters(source, device=torch_device, dtype=torch_dtype,
+                                        tokenizer=tokenizer, recipe=recipe)
+        if merge_adapters:
+            model = model.merge_and_unload()
+    else:
+        remote = recipe.model.trust_remote_code if recipe is not None else False
+        model = load_full_model(source.model_dir, device=torch_device, dtype=torch_dtype,
+                                trust_remote_code=remote)
+    return LoadedModel(model=model, tokenizer=tokenizer, source=source, device=torch_device,
+                       dtype=torch_dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# generating
+
+
+@dataclass
+class Reply:
+    """One generated assistant turn."""
+
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+    """`stop` (the model ended its turn) or `length` (`max_new_tokens` reached)."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def require_chat_template(loaded: LoadedModel) -> None:
+    """Refuse, naming the folder, a tokenizer that cannot render a conversation."""
+    if not getattr(loaded.tokenizer, "chat_template", None):
+        raise UserError(f"{loaded.source.model_dir}: its tokenizer has no chat template, which chat "
+                        "needs to render the conversation")
+
+
+def render_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """The token ids of `messages` through the tokenizer's chat template, opening the assistant's turn."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError("the tokenizer has no chat template: chat needs one to render the conversation")
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as err:  # jinja2's TemplateError, raised by the template itself (e.g. "no system role")
+        raise UserError(f"the chat template refused the conversation: {_first_line(err)}") from None
+    # The template writes its own special tokens (BOS included); adding them again would double them.
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """Every token that ends a reply: the tokenizer's EOS and the generation config's end tokens.
+
+    Only special tokens count: a model built from a config carries its architecture's default
+    `eos_token_id` (2 for Llama), which in the run's own tokenizer may be an ordinary byte.
+    """
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    for i in [configured] if isinstance(configured, int) else configured or []:
+        if i in special and i not in ids:
+            ids.append(i)
+    return ids
+
+
+def check_sampling(*, max_new_tokens: int, temperature: float, top_p: float) -> None:
+    """Refuse generation settings that cannot work, naming the `chat` option of each."""
+    if max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens: must be >= 1, got {max_new_tokens}")
+    if not temperature >= 0:
+        raise UserError(f"--temperature: must be >= 0 (0 is greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise UserError(f"--top-p: must be in (0, 1], got {top_p}")
+
+
+@torch.no_grad()
+def generate_reply(
+    model,
+    tokenizer,
+    messages: list[dict[str, str]],
+    *,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    on_text: Callable[[str], None] | None = None,
+) -> Reply:
+    """The model's next assistant turn after `messages` (role/content dicts).
+
+    `temperature=0` decodes greedily (the same answer every time); above 0 it samples with nucleus
+    `top_p`, under `seed` when given (the global random state is left as it was). `on_text`
+    receives the reply's text piece by piece, as whole words are generated.
+    """
+    check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    prompt_ids = render_prompt(tokenizer, messages)
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([prompt_ids], device=device)
+    stops = stop_token_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops or [0])[0]
+    # A fresh config: sampling defaults shipped with the model (temperature, top_k) must not leak
+    # into a greedy reply.
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, eos_token_id=stops or None, pad_token_id=pad,
+        do_sample=temperature > 0, **({"temperature": temperature, "top_p": top_p, "top_k": 0}
+                                      if temperature > 0 else {}),
+    )
+    streamer = _TextCallback(tokenizer, on_text) if on_text is not None else None
+    with _seeded(seed, device):
+        output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                generation_config=config, streamer=streamer)
+    new_ids = output[0, len(prompt_ids):].tolist()
+    finished = bool(new_ids) and new_ids[-1] in stops
+    return Reply(
+        text=tokenizer.decode(new_ids, skip_special_tokens=True),
+        prompt_tokens=len(prompt_ids),
+        completion_tokens=len(new_ids),
+        finish_reason="stop" if finished else "length",
+    )
+
+
+class _TextCallback(TextStreamer):
+    """`TextStreamer` that hands each finished piece of text to a function instead of printing it."""
+
+    def __init__(self, tokenizer, on_text: Callable[[str], None]):
+        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        self._on_text = on_text
+
+    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+        if text:
+            self._on_text(text)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None, device: torch.device) -> Iterator[None]:
+    if seed is None:
+        yield
+        return
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+class ChatSession:
+    """A conversation with a model: an optional system prompt and the turns so far.
+
+    A reply joins the history only once it is complete, so an interrupted one leaves the
+    conversation as it was before the question.
+    """
+
+    def __init__(self, model, tokenizer, *, system: str | None = None, **generation: Any):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.system = system or None
+        self.turns: list[dict[str, str]] = []
+        self.generation = generation
+        """Keyword arguments of `generate_reply`: max_new_tokens, temperature, top_p, seed."""
+
+    @property
+    def messages(self) -> list[dict[str, str]]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + self.turns
+
+    def ask(self, text: str, *, on_text: Callable[[str], None] | None = None) -> Reply:
+        question = {"role": "user", "content": text}
+        reply = generate_reply(self.model, self.tokenizer, [*self.messages, question], on_text=on_text,
+                               **self.generation)
+        self.turns += [question, {"role": "assistant", "content": reply.text}]
+        return reply
+
+    def reset(self) -> None:
+        """Forget the turns; keep the system prompt."""
+        self.turns = []
+
+    def set_system(self, text: str | None) -> None:
+        """A new system prompt (none when empty) starts a new conversation."""
+        self.system = text or None
+        self.turns = []

@@ -21,15 +21,12 @@ error); a variant that fails or is wrong says so in its row. Usage (CUDA only):
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from ligertune.bench.timing import measure  # noqa: E402
-from ligertune.models import attention  # noqa: E402
+from ligertune.bench.timing import measure
+from ligertune.models import attention
 
 HQ, HK, D, ROWS, LEN = 32, 8, 64, 4, 4096
 

@@ -25,9 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from ligertune.bench.timing import measure  # noqa: E402
+from ligertune.bench.timing import measure
 
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "bench" / "llama-3.2-1b.yaml"
 SHAPES = [(8192, 4096, 128256), (16384, 2048, 128256), (4096, 3584, 152064)]

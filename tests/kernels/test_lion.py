@@ -143,9 +143,11 @@ def test_non_finite_gradient_is_not_hidden(kernel_path):
 
 
 def test_mixed_dtypes_and_strided_tensors_in_one_call(kernel_path):
-    """float32 and bfloat16 tensors in one call (one launch each), a transposed parameter and a strided
-    gradient: the result is that of the same call on contiguous copies."""
-    (a, b) = make_tensors([(37, 5), (123,)], torch.float32, seed=5)
+    """float32 and bfloat16 tensors in one call (one launch each), a transposed parameter, a strided
+    gradient, and a parameter 4 bytes into its buffer (not 16-byte aligned: the kernel's variant
+    without vector accesses): the result is that of the same call on contiguous, aligned copies."""
+    (a, b) = make_tensors([(37, 5), (124,)], torch.float32, seed=5)
+    b = b[1:]
     (c,) = make_tensors([(5, 37)], torch.bfloat16, seed=6)
     params = [a, b, c.t()]  # c.t(): a non-contiguous [37, 5] parameter
     grads = [t * 0.5 for t in make_tensors([(37, 5), (123,)], torch.float32, seed=7)]

@@ -63,6 +63,14 @@ def test_long_runs_draw_a_smoothed_loss_over_the_raw_one(tmp_path: Path):
     assert len(raw.get_xdata()) == 120 and raw.get_alpha() < 0.5
 
 
+def test_the_smoothed_loss_does_not_lag(tmp_path: Path):
+    """A centered average follows a straight descent exactly away from the ends; a moving average
+    that looks only backwards would sit above it the whole way down."""
+    records = [{"step": s, "loss": 10.0 - 0.01 * s} for s in range(1, 201)]
+    smoothed = line_data(metrics_figure(records, title="run").axes[0])["train loss (smoothed)"][1]
+    assert smoothed[10:-10] == pytest.approx([10.0 - 0.01 * s for s in range(11, 191)])
+
+
 def test_a_run_without_eval_or_grad_norm_has_fewer_panels(tmp_path: Path):
     records = [{"step": s, "loss": 3.0 - 0.1 * s, "lr": 1e-4} for s in range(1, 6)]
     fig = metrics_figure(records, title="run")

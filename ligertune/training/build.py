@@ -79,15 +79,16 @@ def build_data(recipe: Recipe, tokenizer, *, show_progress: bool = True) -> Trai
     )
 
 
-def total_steps(cfg: TrainConfig, n_packs: int) -> int:
+def total_steps(cfg: TrainConfig, n_packs: int, world_size: int = 1) -> int:
     """`train.max_steps`, else the steps that `train.epochs` passes over `n_packs` packs take."""
     if cfg.max_steps:
         return cfg.max_steps
-    return max(1, math.ceil(cfg.epochs * n_packs / packs_per_step(cfg)))
+    return max(1, math.ceil(cfg.epochs * n_packs / packs_per_step(cfg, world_size)))
 
 
-def packs_per_step(cfg: TrainConfig) -> int:
-    return cfg.micro_batch_size * cfg.grad_accum_steps
+def packs_per_step(cfg: TrainConfig, world_size: int = 1) -> int:
+    """Packs of one optimizer step over all processes: `micro_batch_size x grad_accum_steps` each."""
+    return cfg.micro_batch_size * cfg.grad_accum_steps * world_size
 
 
 # --------------------------------------------------------------------------------------------------
@@ -109,18 +110,19 @@ def build_model(
     device: torch.device,
     vocab_size: int | None,
     attention: str | None = None,
+    dtype: torch.dtype | None = None,
     kernels: bool = True,
     before_adapters: Callable[[nn.Module], None] | None = None,
 ) -> BuiltModel:
     """The recipe's model on `device`: loaded or built, patched with the recipe's kernels, with its
     gradient checkpointing, then wrapped with LoRA adapters when the recipe has `lora`.
 
-    `attention` replaces `model.attention` (a benchmark's peers run the model's own sdpa);
-    `kernels=False` leaves the model unpatched (`patch_kernels` can patch it later);
+    `attention` replaces `model.attention` (a benchmark's peers run the model's own sdpa); `dtype`
+    replaces `model.dtype` (float32 master weights under mixed precision); `kernels=False` leaves the model unpatched (`patch_kernels` can patch it later);
     `before_adapters(model)` runs on the base model before LoRA wraps it (a peer's own patches).
     """
     model_cfg = recipe.model if attention is None else dataclasses.replace(recipe.model, attention=attention)
-    dtype = resolve_dtype(model_cfg.dtype, device)
+    dtype = dtype or resolve_dtype(model_cfg.dtype, device)
     model = models.build_model(model_cfg, device=device, dtype=dtype, seed=recipe.train.seed,
                                vocab_size=vocab_size)
     patches = patch_kernels(model, recipe.kernels) if kernels else None
@@ -190,7 +192,8 @@ def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters; norms, biases and other vectors get no weight decay.
 
-    The fused CUDA implementation is used when every parameter lives on CUDA.
+    The fused CUDA implementation is used when every parameter is a plain tensor on CUDA (sharded
+    parameters take the multi-tensor one).
     """
     params = trainable_parameters(model)
     decay = [p for _, p in params if p.ndim >= 2]
@@ -200,7 +203,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
         {"params": no_decay, "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
-    fused = bool(params) and all(p.is_cuda for _, p in params)
+    fused = bool(params) and all(p.is_cuda and type(p.data) is torch.Tensor for _, p in params)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused or None)
 
 

@@ -5,7 +5,8 @@
       metrics.jsonl               one JSON object per record, strict JSON (no NaN literals)
       checkpoints/
         step-000200/              model (or LoRA adapters) + tokenizer, Hugging Face format,
-          trainer_state.pt        and the rest of the run: optimizer, schedule, RNG, data position
+          optimizer/              the optimizer state (torch.distributed.checkpoint, any world size)
+          trainer_state.pt        and the rest of the run: schedule, RNG, data position
         step-000400/
         latest -> step-000400     a symbolic link, moved only once its target is complete
       final/                      the model at the end of the run
@@ -29,9 +30,12 @@ from typing import Any, Callable
 
 import torch
 
+from ligertune.distributed import barrier, broadcast_from_main, is_main_process, together
+
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.pt"
+OPTIMIZER = "optimizer"
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
 
@@ -43,24 +47,32 @@ def write_atomic_dir(target: Path, write: Callable[[Path], None]) -> Path:
     """Fill a temporary sibling directory with `write(tmp)`, fsync it, then rename it onto `target`.
 
     A crash leaves either the previous `target` or the new one, never a mix; the temporary
-    directory of a failed (or interrupted) write is removed.
+    directory of a failed (or interrupted) write is removed. With several processes, every rank
+    calls this together: each runs `write` into the same temporary directory, and rank 0 renames it
+    once every rank has succeeded.
     """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
+    main = is_main_process()
+    tmp = None
+    if main:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; a run's folders follow the umask
-        write(tmp)
-        _fsync_tree(tmp)
-        if target.exists():
-            old = target.with_name(f".{target.name}.old-{os.getpid()}")
-            os.replace(target, old)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-        _fsync_dir(target.parent)
+    tmp = Path(broadcast_from_main(str(tmp)))
+    try:
+        together(lambda: write(tmp))
+        if main:
+            _fsync_tree(tmp)
+            if target.exists():
+                old = target.with_name(f".{target.name}.old-{os.getpid()}")
+                os.replace(target, old)
+                os.replace(tmp, target)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, target)
+            _fsync_dir(target.parent)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
 
@@ -113,12 +125,15 @@ def _fsync_dir(path: Path) -> None:
 # checkpoints
 
 
-def save_model(target: Path, model: Any, tokenizer: Any) -> Path:
-    """`save_pretrained` of the model (or of its peft adapters) and the tokenizer, atomically."""
+def save_model(target: Path, model: Any, tokenizer: Any, *, state_dict: dict | None = None) -> Path:
+    """`save_pretrained` of the model (or of its peft adapters) and the tokenizer, atomically.
+
+    `state_dict` is the whole model's, gathered on rank 0 from a sharded model."""
 
     def write(tmp: Path) -> None:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        if is_main_process():
+            model.save_pretrained(tmp, **({"state_dict": state_dict} if state_dict is not None else {}))
+            tokenizer.save_pretrained(tmp)
 
     return write_atomic_dir(target, write)
 
@@ -139,21 +154,17 @@ def checkpoint_steps(folder: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def save_checkpoint(run_dir: Path, step: int, model: Any, tokenizer: Any, state: dict, *, keep: int) -> Path:
-    """Write checkpoint `step` (model, tokenizer, trainer state), point `latest` at it, then remove
+def save_checkpoint(run_dir: Path, step: int, write: Callable[[Path], None], *, keep: int) -> Path:
+    """Write checkpoint `step` with `write(folder)` (on every rank), point `latest` at it, then remove
     the oldest checkpoints beyond `keep`."""
     folder = run_dir / CHECKPOINTS
-
-    def write(tmp: Path) -> None:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        torch.save(state, tmp / TRAINER_STATE)
-
     target = write_atomic_dir(folder / checkpoint_name(step), write)
-    point_latest(folder, target.name)
-    for _, old in checkpoint_steps(folder)[:-keep]:
-        if old != target:
-            shutil.rmtree(old, ignore_errors=True)
+    if is_main_process():
+        point_latest(folder, target.name)
+        for _, old in checkpoint_steps(folder)[:-keep]:
+            if old != target:
+                shutil.rmtree(old, ignore_errors=True)
+    barrier()
     return target
 
 
@@ -226,7 +237,10 @@ class MetricsLog:
     wrote after step k are dropped, so the file reads as one run.
     """
 
-    def __init__(self, path: Path, *, resume_after: int | None = None):
+    def __init__(self, path: Path | None, *, resume_after: int | None = None):
+        self._file = None
+        if path is None:  # a rank other than 0: nothing is written
+            return
         path.parent.mkdir(parents=True, exist_ok=True)
         if resume_after is not None:
             kept = [r for r in read_metrics(path) if r.get("step", 0) <= resume_after]
@@ -234,8 +248,10 @@ class MetricsLog:
         self._file = path.open("a" if resume_after is not None else "w", encoding="utf-8")
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
-        self._file.flush()
+        if self._file is not None:
+            self._file.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
+            self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()

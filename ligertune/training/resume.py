@@ -33,6 +33,7 @@ RESUMABLE_CHANGES = (
     "train.device",
     "data.num_workers",
     "data.cache_dir",
+    "distributed.",
     "output.",
 )
 

@@ -29,14 +29,35 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
+import torch.distributed.checkpoint as dcp
 import transformers
 from rich.console import Console
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
-from ligertune.data import Batch, Pack, PaddedBatch, TokenizedExample, collate, collate_padded
-from ligertune.devices import synchronize
+from ligertune.data import IGNORE_INDEX, Batch, Pack, PaddedBatch, TokenizedExample, collate, collate_padded
+from ligertune.devices import resolve_dtype, synchronize
+from ligertune.distributed import (
+    Topology,
+    all_reduce_max,
+    all_reduce_sum,
+    destroy_process_group,
+    full_tensor,
+    gather_objects,
+    init_process_group,
+    shard,
+    split_packs,
+    together,
+    topology_from_environment,
+)
 from ligertune.errors import EnvironmentFault, UserError
 from ligertune.kernels import active_path
-from ligertune.models import CausalLMLoss, load_tokenizer
+from ligertune.models import CausalLMLoss, decoder_of, load_tokenizer
 from ligertune.recipe import Recipe, dump_recipe
 from ligertune.training.build import (
     TrainingData,
@@ -50,12 +71,14 @@ from ligertune.training.build import (
     total_steps,
 )
 from ligertune.training.checkpoint import (
+    OPTIMIZER,
     MetricsLog,
     latest_checkpoint,
     load_trainer_state,
     remove_stale_temporaries,
+    TRAINER_STATE,
     save_checkpoint,
-    save_model,
+    write_atomic_dir,
     write_atomic_text,
 )
 from ligertune.training.display import TrainProgress, sample_table, summary_table
@@ -160,6 +183,9 @@ class Run:
     state: RunState = field(default_factory=RunState)
     stream: PackStream | None = None
     lock: RunLock | None = None
+    topology: Topology = field(default_factory=Topology)
+    engine: torch.nn.Module | None = None
+    """What forward and backward go through: the head, or its data-parallel wrapper."""
     last_loss: float | None = None
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     resume_command: str = "ligertune train RECIPE --resume"
@@ -167,6 +193,8 @@ class Run:
     def __post_init__(self) -> None:
         if self.stream is None:
             self.stream = PackStream(self.data.train_packs, self.recipe.train.seed)
+        if self.engine is None:
+            self.engine = self.head
 
     @property
     def eval_examples(self) -> list[TokenizedExample]:
@@ -202,14 +230,17 @@ def train(
     `output.dir`. `resume` ("latest" or a checkpoint path) continues an earlier run exactly."""
     console = console or Console(stderr=False)
     transformers.utils.logging.disable_progress_bar()  # the run has its own display
-    run = setup(recipe, console, resume=resume, clock=clock)
-    if resume_command:
-        run.resume_command = resume_command
     try:
-        with StopSignals() as stop:
-            return train_loop(run, stop)
+        run = setup(recipe, console, resume=resume, clock=clock)
+        if resume_command:
+            run.resume_command = resume_command
+        try:
+            with StopSignals() as stop:
+                return train_loop(run, stop)
+        finally:
+            cleanup(run)
     finally:
-        cleanup(run)
+        destroy_process_group()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -218,56 +249,97 @@ def train(
 
 def setup(recipe: Recipe, console: Console, *, resume: str | Path | None = None,
           clock: Clock = time.perf_counter) -> Run:
+    """Everything the loop needs, built from the recipe; with several processes, on every rank (a
+    user error on any rank stops every rank, reported by rank 0)."""
     cfg = recipe.train
+    topology = topology_from_environment()
+    device = build_device(cfg)
+    if topology.distributed:
+        device = init_process_group(topology, device.type, timeout_minutes=recipe.distributed.timeout_minutes)
+    if not topology.is_main:
+        console = Console(quiet=True)
     output_dir = Path(recipe.output.dir)
-    check_output_dir(output_dir, resume=resume is not None, overwrite=recipe.output.overwrite)
-    checkpoint = saved = None
-    if resume is not None:
+
+    def find() -> tuple[Path | None, dict | None]:
+        if topology.is_main:
+            check_output_dir(output_dir, resume=resume is not None, overwrite=recipe.output.overwrite)
+        if resume is None:
+            return None, None
         checkpoint = find_checkpoint(output_dir, resume)
         saved = load_trainer_state(checkpoint)
         check_resumable(saved["recipe"], recipe, checkpoint)
-    device = build_device(cfg)
-    torch.manual_seed(cfg.seed)
+        return checkpoint, saved
 
-    tokenizer = load_tokenizer(recipe.model)
-    data = build_data(recipe, tokenizer)
-    built = build_model(recipe, device=device, vocab_size=len(tokenizer))
+    checkpoint, saved = together(find)
+    torch.manual_seed(cfg.seed)
+    mixed_precision = None
+    if topology.distributed and device.type == "cuda" and strategy(recipe, topology) == "fsdp":
+        # bf16 (or fp16) compute over float32 master weights, sharded.
+        mixed_precision = resolve_dtype(recipe.model.dtype, device)
+        mixed_precision = None if mixed_precision == torch.float32 else mixed_precision
+
+    def build() -> tuple:
+        tokenizer = load_tokenizer(recipe.model)
+        data = build_data(recipe, tokenizer, show_progress=topology.is_main)
+        built = build_model(recipe, device=device, vocab_size=len(tokenizer),
+                            dtype=torch.float32 if mixed_precision else None)
+        if checkpoint is not None:
+            load_model_weights(built.module, checkpoint)
+        return tokenizer, data, built
+
+    tokenizer, data, built = together(build)
     model = built.module
     head = build_head(model, recipe.kernels, recipe.loss)
+    engine = head
+    if topology.distributed:
+        engine = shard(head, decoder_of(model).layers, strategy=strategy(recipe, topology), device=device,
+                       mixed_precision=mixed_precision)
     optimizer = build_optimizer(model, recipe.optim)
-    steps = total_steps(cfg, len(data.train_packs))
+    steps = total_steps(cfg, len(data.train_packs), topology.world_size)
     scheduler = build_scheduler(optimizer, recipe.optim, total_steps=steps)
 
-    lock = claim_output_dir(output_dir, replace=recipe.output.overwrite and resume is None,
-                            notice=console.print)
-    try:
-        remove_stale_temporaries(output_dir)
-        write_atomic_text(output_dir / "recipe.yaml", dump_recipe(recipe))
-        metrics = MetricsLog(output_dir / "metrics.jsonl",
-                             resume_after=saved["run"]["step"] if saved is not None else None)
-    except OSError as err:
-        lock.release()
-        raise UserError(f"output.dir: cannot write {output_dir}: {err.strerror or err}") from None
+    def claim() -> tuple:
+        if not topology.is_main:
+            return None, MetricsLog(None)
+        lock = claim_output_dir(output_dir, replace=recipe.output.overwrite and resume is None,
+                                notice=console.print)
+        try:
+            remove_stale_temporaries(output_dir)
+            write_atomic_text(output_dir / "recipe.yaml", dump_recipe(recipe))
+            return lock, MetricsLog(output_dir / "metrics.jsonl",
+                                    resume_after=saved["run"]["step"] if saved is not None else None)
+        except OSError as err:
+            lock.release()
+            raise UserError(f"output.dir: cannot write {output_dir}: {err.strerror or err}") from None
+
+    lock, metrics = together(claim)
     run = Run(
         recipe=recipe, device=device, console=console, tokenizer=tokenizer, model=model, head=head,
         optimizer=optimizer, scheduler=scheduler, data=data, total_steps=steps, output_dir=output_dir,
-        metrics=metrics, meter=Throughput(device, clock), lock=lock,
+        metrics=metrics, meter=Throughput(device, clock), lock=lock, topology=topology, engine=engine,
     )
-    describe_run(run, built.dtype, built.patches.describe() if built.patches else "none")
+    describe_run(run, mixed_precision or built.dtype, built.patches.describe() if built.patches else "none")
     if checkpoint is not None:
         restore(run, checkpoint, saved)
     return run
 
 
+def strategy(recipe: Recipe, topology: Topology) -> str:
+    """How several processes share the model: `distributed.strategy`, `auto` being FSDP."""
+    return "ddp" if recipe.distributed.strategy == "ddp" else "fsdp"
+
+
 def restore(run: Run, checkpoint: Path, saved: dict) -> None:
-    """Continue from `checkpoint`: weights, optimizer, schedule, data position and RNG as they were."""
-    load_model_weights(run.model, checkpoint)
-    run.optimizer.load_state_dict(saved["optimizer"])
+    """Continue from `checkpoint`: weights (already loaded by `setup`), optimizer, schedule, data
+    position and RNG as they were, at this world size or another."""
+    load_optimizer_state(run, checkpoint / OPTIMIZER)
     run.scheduler.load_state_dict(saved["scheduler"])
     run.state = RunState.from_dict(saved["run"])
     run.last_loss = saved.get("last_loss")
     run.eval_losses = [tuple(x) for x in saved.get("eval_losses", [])]
-    restore_rng(saved["rng"])  # last: building the run drew from the generators
+    rngs = saved["rng"]
+    same_world = len(rngs) == run.topology.world_size
+    restore_rng(rngs[run.topology.rank] if same_world else rngs[0])  # last: building drew from them
     run.console.print(f"resumed from {checkpoint} at step {run.state.step} "
                       f"(epoch {run.state.epoch}, pack {run.state.index})")
 
@@ -279,7 +351,7 @@ def describe_run(run: Run, dtype: torch.dtype, patches: str) -> None:
     n_trainable = sum(p.numel() for p in run.trainable)
     real = sum(len(p.input_ids) for p in data.train_packs)
     slots = len(data.train_packs) * recipe.data.max_seq_len
-    per_step = packs_per_step(recipe.train)
+    per_step = packs_per_step(recipe.train, run.topology.world_size)
     run.console.print(
         f"[bold]ligertune[/] model {type(run.model).__name__} {n_params / 1e6:.2f}M params "
         f"({n_trainable / 1e6:.2f}M trainable), {dtype}, {run.device.type}"
@@ -291,6 +363,9 @@ def describe_run(run: Run, dtype: torch.dtype, patches: str) -> None:
         f"{len(data.train_packs)} packs of {recipe.data.max_seq_len} ({real / max(slots, 1):.1%} full), "
         f"{run.total_steps} step{'s' * (run.total_steps != 1)} of {per_step} pack{'s' * (per_step != 1)}"
     )
+    if run.topology.distributed:
+        run.console.print(f"processes: {run.topology.world_size}, {strategy(recipe, run.topology)}, "
+                          f"{packs_per_step(recipe.train)} packs each per step")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -338,16 +413,30 @@ def train_loop(run: Run, stop: StopSignals | None = None) -> TrainResult:
                 record = {**record, **result}
             saved = maybe_save(run)
             progress.advance(run.state.step, record)
-            if stop is not None and stop.requested is not None:
+            requested = stop_requested(run, stop)
+            if requested:
                 checkpoint = saved or save(run)
-                raise RunInterrupted(stop.requested, run.state.step, checkpoint, run.resume_command)
+                raise RunInterrupted(requested, run.state.step, checkpoint, run.resume_command)
     return finish(run)
 
 
+def stop_requested(run: Run, stop: StopSignals | None) -> int:
+    """The signal that asks the run to stop (0 for none), the same on every rank: a rank that got
+    it tells the others, so that all stop after the same step."""
+    requested = torch.tensor(float(stop.requested or 0) if stop is not None else 0.0)
+    if run.topology.distributed:
+        requested = all_reduce_max(requested.to(run.device))
+    return int(requested.item())
+
+
 def next_batches(run: Run) -> list[Batch | PaddedBatch]:
-    """The micro-batches of the next step, on the device."""
+    """This rank's micro-batches of the next step, on the device: the step's packs are the next
+    `packs_per_step` of the stream, dealt to the ranks balanced by tokens."""
     size = run.recipe.train.micro_batch_size
-    packs = run.stream.take(run.state, packs_per_step(run.recipe.train))
+    world = run.topology.world_size
+    packs = run.stream.take(run.state, packs_per_step(run.recipe.train, world))
+    if world > 1:
+        packs = split_packs(packs, world)[run.topology.rank]
     return [make_batch(run, packs[i : i + size]) for i in range(0, len(packs), size)]
 
 
@@ -360,13 +449,15 @@ def train_step(run: Run, batches: list[Batch | PaddedBatch]) -> StepStats:
     """
     totals = forward_backward(run, batches, backward=True)
     max_norm = run.recipe.optim.max_grad_norm or float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.trainable, max_norm)
+    # The norm over every parameter of every shard: the same on each rank.
+    grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(run.trainable, max_norm))
     lr = run.scheduler.get_last_lr()[0]
-    # One transfer to the host for all of the step's numbers (and the finiteness check).
     n_real = sum(real_tokens(b) for b in batches)
     numbers = [totals["loss"], totals["z_loss"], totals["n_correct"], totals["n_tokens"],
-               torch.as_tensor(n_real, device=run.device), grad_norm]
-    loss, z_loss, n_correct, n_tokens, n_real, norm = torch.stack([x.double() for x in numbers]).tolist()
+               torch.as_tensor(n_real, device=run.device)]
+    # The step's numbers summed over the ranks, then one transfer to the host for all of them.
+    summed = all_reduce_sum(torch.stack([x.double() for x in numbers]))
+    loss, z_loss, n_correct, n_tokens, n_real, norm = torch.cat([summed, grad_norm.double().reshape(1)]).tolist()
     state = run.state
     finite = math.isfinite(loss) and math.isfinite(norm)
     if finite:
@@ -450,24 +541,61 @@ def maybe_save(run: Run) -> Path | None:
 
 
 def save(run: Run) -> Path:
-    """A checkpoint of the whole run at this step, timed apart from the throughput window."""
+    """A checkpoint of the whole run at this step (every rank takes part), timed apart from the
+    throughput window: the model in Hugging Face format (gathered on rank 0 when sharded), the
+    optimizer state through `torch.distributed.checkpoint` (sharded: each rank writes its part,
+    and any world size reads it back), and the trainer state."""
     check_finite_weights(run)
-    state = {
-        "format": 1,
-        "run": run.state.to_dict(),
-        "optimizer": run.optimizer.state_dict(),
-        "scheduler": run.scheduler.state_dict(),
-        "rng": capture_rng(),
-        "recipe": run.recipe.to_dict(),
-        "last_loss": run.last_loss,
-        "eval_losses": run.eval_losses,
-    }
-    with run.meter.excluded() as timing, written(run, "checkpoint"):
-        path = save_checkpoint(run.output_dir, run.state.step, run.model, run.tokenizer, state,
-                               keep=run.recipe.train.keep_checkpoints)
+    with run.meter.excluded() as timing:
+        model_state = gathered_model_state(run)
+        optimizer_state = get_optimizer_state_dict(run.head, run.optimizer)
+        trainer_state = {
+            "format": 1,
+            "world_size": run.topology.world_size,
+            "run": run.state.to_dict(),
+            "scheduler": run.scheduler.state_dict(),
+            "rng": gather_objects(capture_rng()),
+            "recipe": run.recipe.to_dict(),
+            "last_loss": run.last_loss,
+            "eval_losses": run.eval_losses,
+        }
+
+        def write(folder: Path) -> None:
+            with written(run, "checkpoint"):
+                dcp.save({"optimizer": optimizer_state}, checkpoint_id=folder / OPTIMIZER,
+                         no_dist=not run.topology.distributed)
+                if run.topology.is_main:
+                    save_pretrained(run, folder, model_state)
+                    torch.save(trainer_state, folder / TRAINER_STATE)
+
+        path = save_checkpoint(run.output_dir, run.state.step, write, keep=run.recipe.train.keep_checkpoints)
     run.metrics.write({"step": run.state.step, "checkpoint": str(path.relative_to(run.output_dir)),
                        "save_s": timing["seconds"]})
     return path
+
+
+def gathered_model_state(run: Run) -> dict | None:
+    """The whole model's weights on rank 0's CPU when the model is sharded (None otherwise: the
+    model saves itself)."""
+    if not run.topology.distributed:
+        return None
+    state = get_model_state_dict(run.head, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    prefix = "model."  # the head holds the model as `self.model`
+    return {k[len(prefix):]: v for k, v in state.items()} if run.topology.is_main else None
+
+
+def save_pretrained(run: Run, folder: Path, model_state: dict | None) -> None:
+    """The model (or its LoRA adapters) and the tokenizer in Hugging Face format, on rank 0."""
+    options = {"state_dict": model_state} if model_state is not None else {}
+    run.model.save_pretrained(folder, **options)
+    run.tokenizer.save_pretrained(folder)
+
+
+def load_optimizer_state(run: Run, folder: Path) -> None:
+    """The optimizer state of a checkpoint, resharded to this run's processes."""
+    state = {"optimizer": get_optimizer_state_dict(run.head, run.optimizer)}
+    dcp.load(state, checkpoint_id=folder, no_dist=not run.topology.distributed)
+    set_optimizer_state_dict(run.head, run.optimizer, state["optimizer"])
 
 
 @contextlib.contextmanager
@@ -476,7 +604,12 @@ def written(run: Run, what: str) -> Iterator[None]:
     files are gone already and the previous checkpoint is intact."""
     try:
         yield
-    except OSError as err:
+    except (OSError, CheckpointException) as err:
+        if isinstance(err, CheckpointException):  # the distributed writer wraps each rank's error
+            causes = [e for e, _ in err.failures.values() if isinstance(e, OSError)]
+            if not causes:
+                raise
+            err = causes[0]
         where = f" ({err.filename})" if err.filename else ""
         latest = latest_checkpoint(run.output_dir)
         kept = f"; the last checkpoint {latest} is intact" if latest else ""
@@ -485,18 +618,26 @@ def written(run: Run, what: str) -> Iterator[None]:
 
 
 def check_finite_weights(run: Run) -> None:
-    """No file the run writes may hold a NaN or infinite weight."""
-    finite = torch.stack([p.detach().isfinite().all() for p in run.trainable]).all()
-    if not bool(finite):
+    """No file the run writes may hold a NaN or infinite weight (checked on every shard)."""
+    local = [(p.detach().to_local() if hasattr(p, "to_local") else p.detach()) for p in run.trainable]
+    broken = torch.stack([(~t.isfinite()).any() for t in local]).any().double()
+    if all_reduce_max(broken).item():
         raise TrainingDiverged(f"step {run.state.step}: a trainable weight is not finite; nothing was saved")
 
 
 def finish(run: Run) -> TrainResult:
     """The final model, a greedy sample of a held-out conversation, and the summary."""
     check_finite_weights(run)
-    with written(run, "final model"):
-        final_dir = save_model(run.output_dir / "final", run.model, run.tokenizer)
-    sample = greedy_sample(run) if run.eval_examples else None
+    model_state = gathered_model_state(run)
+
+    def write(folder: Path) -> None:
+        with written(run, "final model"):
+            if run.topology.is_main:
+                save_pretrained(run, folder, model_state)
+
+    final_dir = write_atomic_dir(run.output_dir / "final", write)
+    # A sharded model cannot generate on one rank; the sample is for single-process runs.
+    sample = greedy_sample(run) if run.eval_examples and not run.topology.distributed else None
     result = TrainResult(run.output_dir, final_dir, run.state.step, run.last_loss, run.eval_losses, sample,
                          skipped_steps=run.state.skipped_steps)
     show_summary(run, result)
@@ -553,7 +694,7 @@ def forward_backward(run: Run, batches: list[Batch | PaddedBatch], *, backward: 
             boundaries = {"cu_seqlens": batch.cu_seqlens, "max_seqlen": batch.max_seqlen}
         else:
             boundaries = {"attention_mask": batch.attention_mask}
-        out = run.head(batch.input_ids, batch.position_ids, batch.targets, w, **boundaries)
+        out = run.engine(batch.input_ids, batch.position_ids, batch.targets, w, **boundaries)
         if backward:
             out.loss.backward()
         totals["loss"] += out.loss.detach().float()
@@ -566,16 +707,29 @@ def forward_backward(run: Run, batches: list[Batch | PaddedBatch], *, backward: 
 @torch.no_grad()
 def evaluate(run: Run) -> dict[str, float]:
     """Held-out cross-entropy (normalized like training, over the whole held-out set) and accuracy."""
-    run.head.eval()
+    run.engine.eval()
     size = run.recipe.train.micro_batch_size
-    packs = run.data.eval_packs
+    packs = eval_share(run.data.eval_packs, run.topology)
     batches = [make_batch(run, packs[i : i + size]) for i in range(0, len(packs), size)]
     totals = forward_backward(run, batches, backward=False)
-    run.head.train()
-    return {
-        "eval_loss": (totals["loss"] - totals["z_loss"]).item(),
-        "eval_token_accuracy": (totals["n_correct"] / totals["n_tokens"].clamp(min=1)).item(),
-    }
+    run.engine.train()
+    loss, z_loss, n_correct, n_tokens = all_reduce_sum(torch.stack(
+        [totals[k].double() for k in ("loss", "z_loss", "n_correct", "n_tokens")])).tolist()
+    return {"eval_loss": loss - z_loss, "eval_token_accuracy": n_correct / max(n_tokens, 1)}
+
+
+def eval_share(packs: list[Pack], topology: Topology) -> list[Pack]:
+    """This rank's held-out packs. Every rank must run as many forwards (sharded layers gather their
+    weights together), so the shares are made equal with packs that carry no loss."""
+    world = topology.world_size
+    if world == 1:
+        return packs
+    padded = list(packs) + [without_targets(packs[0])] * (-len(packs) % world)
+    return split_packs(padded, world)[topology.rank]
+
+
+def without_targets(pack: Pack) -> Pack:
+    return Pack(pack.input_ids, [IGNORE_INDEX] * len(pack.targets), pack.seq_lens)
 
 
 # --------------------------------------------------------------------------------------------------

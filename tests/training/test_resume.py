@@ -91,7 +91,8 @@ def test_keep_checkpoints_and_latest(tmp_path: Path):
     assert sorted(p.name for p in folder.iterdir()) == ["latest", "step-000004", "step-000006"]
     assert os.readlink(folder / "latest") == "step-000006"
     state = load_trainer_state(folder / "step-000006")
-    assert {"optimizer", "scheduler", "rng", "run", "recipe"} <= state.keys()
+    assert {"scheduler", "rng", "run", "recipe"} <= state.keys()
+    assert (folder / "step-000006" / "optimizer" / ".metadata").exists()
     assert (folder / "step-000006" / "model.safetensors").exists()
     assert (folder / "step-000006" / "tokenizer.json").exists()
 
@@ -113,12 +114,10 @@ def test_a_failed_checkpoint_write_keeps_the_previous_one(tmp_path: Path, monkey
     path = write_recipe(tmp_path, train={"max_steps": 6, "save_every": 2, "eval_every": None})
     run = start(path)
     real_save = checkpoint_module.torch.save
-    calls = []
 
     def full_disk(obj, f, *args, **kwargs):
-        calls.append(f)
-        if len(calls) == 2:
-            raise OSError(errno.ENOSPC, "No space left on device", str(f))
+        if run.state.step == 4:  # the second checkpoint
+            raise OSError(errno.ENOSPC, "No space left on device")
         return real_save(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(checkpoint_module.torch, "save", full_disk)
@@ -239,7 +238,7 @@ def test_a_signal_stops_after_a_checkpoint_and_the_run_resumes_to_the_same_end(t
     assert "--resume" in stderr
     stopped_at = load_trainer_state(latest_checkpoint(out))["run"]["step"]
     assert 2 <= stopped_at < 400
-    assert not [p for p in out.rglob(".*") if p.name != ".lock"]  # no temporaries
+    assert not [p for p in out.rglob("*") if ".tmp-" in p.name or ".old-" in p.name]  # no temporaries
     assert not (out / ".lock").exists()
 
     # Resume, to a shorter end so the test stays quick, and compare with a straight run to it.
@@ -257,11 +256,9 @@ def test_a_second_ctrl_c_during_a_checkpoint_write_leaves_nothing_half_written(t
     path = write_recipe(tmp_path, train={"max_steps": 6, "save_every": 2, "eval_every": None})
     run = start(path)
     real_save = checkpoint_module.torch.save
-    calls = []
 
     def interrupted(obj, f, *args, **kwargs):
-        calls.append(f)
-        if len(calls) == 2:  # the second checkpoint, after its model files were written
+        if run.state.step == 4 and str(f).endswith("trainer_state.pt"):  # the second checkpoint's last file
             raise KeyboardInterrupt
         return real_save(obj, f, *args, **kwargs)
 

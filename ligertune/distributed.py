@@ -1,0 +1,214 @@
+"""Many processes, one run: the process group, sharding, and each rank's share of a step.
+
+`torchrun` (or `ligertune train --nproc N`, which starts the same through `torch.distributed.run`)
+starts one process per device and tells each its rank in the environment. Each optimizer step takes
+`micro_batch_size x grad_accum_steps x world_size` packs of the shared stream, whatever the world
+size, and `split_packs` hands each rank the same number of them with token counts balanced. The
+loss weights of the whole step are all-reduced before the first backward (`step_token_weights`),
+and the ranks' gradients are summed, not averaged, so that 1 rank x accumulation 4, 2 x 2 and 4 x 1
+compute the same loss and gradient.
+
+Sharding is PyTorch's own: `fully_shard` (FSDP2) on every decoder layer and, as the root, on the
+loss head that holds the model, so that the output projection the fused loss reads (tied to the
+input embedding or not) is gathered by the root's hooks around the head's forward; or
+`DistributedDataParallel` around the head for small models.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ligertune.errors import EnvironmentFault, UserError
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process stands among the run's processes."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def topology_from_environment() -> Topology:
+    """The rank, world size and local rank that `torchrun` sets (one process when unset)."""
+    try:
+        return Topology(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+                        int(os.environ.get("LOCAL_RANK", 0)))
+    except ValueError:
+        raise UserError("RANK, WORLD_SIZE and LOCAL_RANK must be integers (as torchrun sets them)") from None
+
+
+def is_main_process() -> bool:
+    """Rank 0, or the only process (before or without a process group)."""
+    return topology_from_environment().is_main
+
+
+def init_process_group(topology: Topology, device_type: str, *, timeout_minutes: float) -> torch.device:
+    """Join the run's process group (NCCL on CUDA, gloo on the CPU); this rank's device."""
+    if device_type == "cuda":
+        if topology.local_rank >= torch.cuda.device_count():
+            raise UserError(f"local rank {topology.local_rank} has no GPU: {torch.cuda.device_count()} visible; "
+                            "start at most one process per GPU")
+        device = torch.device("cuda", topology.local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if topology.distributed and not dist.is_initialized():
+        dist.init_process_group(
+            "nccl" if device_type == "cuda" else "gloo",
+            rank=topology.rank, world_size=topology.world_size,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+    return device
+
+
+def destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    """The sum of `value` over the ranks (itself with one process)."""
+    if dist.is_available() and dist.is_initialized():
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+def all_reduce_max(value: torch.Tensor) -> torch.Tensor:
+    """The largest `value` over the ranks (itself with one process)."""
+    if dist.is_available() and dist.is_initialized():
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value
+
+
+def broadcast_from_main(value: T) -> T:
+    """Rank 0's `value` on every rank."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_objects(value: Any) -> list[Any]:
+    """Every rank's `value`, in rank order."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def together(fn: Callable[[], T]) -> T:
+    """Run `fn` on every rank and fail on every rank when it fails on any, with the first failing
+    rank's error, so that no rank waits on a collective the others will never reach. Only the
+    failing rank's own error keeps its traceback; the others raise a copy of its message."""
+    try:
+        result, failure = fn(), None
+    except (UserError, EnvironmentFault) as err:
+        result, failure = None, (type(err).__name__, str(err))
+        error: BaseException | None = err
+    except Exception as err:
+        result, failure = None, ("RuntimeError", f"{type(err).__name__}: {err}")
+        error = err
+    else:
+        error = None
+    failures = [f for f in gather_objects(failure) if f is not None]
+    if error is not None:
+        raise error
+    if failures:
+        kind, message = failures[0]
+        raise {"UserError": UserError, "EnvironmentFault": EnvironmentFault}.get(kind, RuntimeError)(message)
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# data
+
+
+def split_packs(packs: Sequence[T], world_size: int, *, length: Callable[[T], int] = len) -> list[list[T]]:
+    """`packs` dealt to `world_size` ranks, the same number each, token counts balanced.
+
+    Longest first, each pack goes to the rank with the fewest tokens among those still short of
+    their share (ties to the lowest rank), so the result depends on the lengths alone. Within a
+    rank the packs keep their order in `packs`.
+    """
+    if len(packs) % world_size:
+        raise ValueError(f"{len(packs)} packs do not split evenly over {world_size} ranks")
+    share = len(packs) // world_size
+    order = sorted(range(len(packs)), key=lambda i: (-length(packs[i]), i))
+    tokens, taken = [0] * world_size, [[] for _ in range(world_size)]
+    for i in order:
+        rank = min((r for r in range(world_size) if len(taken[r]) < share), key=lambda r: (tokens[r], r))
+        taken[rank].append(i)
+        tokens[rank] += length(packs[i])
+    return [[packs[i] for i in sorted(chosen)] for chosen in taken]
+
+
+# --------------------------------------------------------------------------------------------------
+# sharding
+
+
+def shard(head: nn.Module, decoder_layers: Sequence[nn.Module], *, strategy: str, device: torch.device,
+          mixed_precision: torch.dtype | None) -> nn.Module:
+    """The loss head made data-parallel: FSDP2 over each decoder layer with the head as the root, or
+    DDP around the head. Gradients are summed over the ranks (the loss weights already count the
+    whole step). Returns the module to call for forward and backward."""
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(head, device_ids=[device.index] if device.type == "cuda" else None)
+        wrapped.register_comm_hook(None, _sum_gradients)
+        return wrapped
+
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy()
+    if mixed_precision is not None:
+        # Compute in half precision, reduce gradients in float32 over float32 master weights.
+        policy = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
+    for layer in decoder_layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(head, mp_policy=policy)
+    for module in head.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            # A plain SUM: gloo has no pre-multiplied sum, and a divide factor of 1 needs none.
+            module.set_force_sum_reduction_for_comms(True)
+    return head
+
+
+def _sum_gradients(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: the sum of the ranks' gradients (DDP's default is their mean)."""
+    work = dist.all_reduce(bucket.buffer(), async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def full_tensor(value: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a sharded DTensor (collective), else the tensor itself."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value

@@ -103,6 +103,7 @@ def test_read_metrics_errors_name_file_and_line(tmp_path: Path):
 
 
 def test_plot_command(tmp_path: Path):
+    assert "Example" in runner.invoke(app, ["plot", "--help"]).output
     run = tmp_path / "run"
     write_metrics(run)
     result = runner.invoke(app, ["plot", str(run)])

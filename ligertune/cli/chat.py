@@ -11,8 +11,6 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from ligertune.cli.options import JsonOpt
-
 HELP = "/system TEXT sets the system prompt and starts over, /reset starts over, /exit (or Ctrl-D) quits"
 
 
@@ -25,7 +23,10 @@ def chat(
         Optional[str], typer.Option("--prompt", "-p", help="Answer this one message and exit.",
                                     show_default=False)
     ] = None,
-    json_: JsonOpt = False,
+    json_: Annotated[
+        bool, typer.Option("--json", help="With --prompt: print the prompt, answer, token counts and "
+                           "settings as one JSON object.")
+    ] = False,
     system: Annotated[
         Optional[str], typer.Option("--system", help="System prompt.", show_default=False)
     ] = None,
@@ -52,7 +53,7 @@ def chat(
     Without --prompt: an interactive conversation (/system TEXT, /reset, /exit or Ctrl-D).
     With --prompt: one answer on stdout (--json: prompt, answer and token counts, for scripts).
 
-    Example: [bold]ligertune chat runs/quickstart --prompt "How do I keep basil fresh?" --json[/]
+    Example: [bold]ligertune chat runs/quickstart --prompt "uppercase yarn" --json[/]
     """
     import transformers
 

@@ -8,8 +8,6 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from ligertune.cli.options import JsonOpt
-
 
 def merge(
     run: Annotated[
@@ -28,7 +26,9 @@ def merge(
     device: Annotated[
         str, typer.Option("--device", help="Where to merge and check: auto, cuda or cpu.")
     ] = "auto",
-    json_: JsonOpt = False,
+    json_: Annotated[
+        bool, typer.Option("--json", help="Print the report (output folder, dtype, check) as JSON.")
+    ] = False,
 ) -> None:
     """Merge a run's LoRA adapters into its base model and write a standalone Hugging Face model.
 

@@ -142,6 +142,11 @@ def test_a_failed_check_leaves_nothing(lora_run: Path, tmp_path: Path, monkeypat
     assert not out.exists() and not list(tmp_path.iterdir())
 
 
+def test_help_shows_an_example():
+    result = invoke("merge", "--help")
+    assert result.exit_code == 0 and "Example" in result.output
+
+
 def test_merge_user_errors(lora_run: Path, tmp_path: Path):
     full = tmp_path / "full"
     full.mkdir()

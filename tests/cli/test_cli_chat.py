@@ -203,6 +203,11 @@ def test_interactive_reply_streams_the_one_shot_answer_and_ends_at_eof(lora_run:
 # mistakes
 
 
+def test_help_shows_an_example():
+    result = invoke("chat", "--help")
+    assert result.exit_code == 0 and "Example" in result.output and "/reset" in result.output
+
+
 def test_chat_user_errors(lora_run: Path, tmp_path: Path):
     assert_user_error(invoke("chat", lora_run, "--json"), "--json: needs --prompt")
     assert_user_error(invoke("chat", lora_run, "-p", "hi", "--top-p", "0"), "--top-p: must be in (0, 1]")

@@ -203,12 +203,44 @@ def shard(head: nn.Module, decoder_layers: Sequence[nn.Module], *, strategy: str
     return head
 
 
-def _sum_gradients(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _sum_gradients(state, bucket):
     """DDP communication hook: the sum of the ranks' gradients (DDP's default is their mean)."""
     work = dist.all_reduce(bucket.buffer(), async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
+# DDP checks the hook's annotations as objects; this module's are strings (`from __future__`).
+_sum_gradients.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+
+
 def full_tensor(value: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a sharded DTensor (collective), else the tensor itself."""
     return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+# --------------------------------------------------------------------------------------------------
+# launching
+
+
+def launch(nproc: int, args: list[str]) -> int:
+    """Run `python -m ligertune ARGS` in `nproc` processes on this machine through
+    `torch.distributed.run` (what `torchrun --standalone --nproc_per_node N` does); the exit code of
+    the first process that failed, else 0."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    # The launcher's own notices (thread counts, a worker's exit code) are not the run's output:
+    # the workers print their errors, and the exit code says the rest.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    parsed = get_args_parser().parse_args(
+        ["--standalone", "--nproc_per_node", str(nproc), "--module", "ligertune", *args]
+    )
+    try:
+        run(parsed)
+    except ChildFailedError as err:
+        codes = [failure.exitcode for _, failure in sorted(err.failures.items())]
+        return next((c for c in codes if c and c > 0), 1)
+    return 0

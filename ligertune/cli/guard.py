@@ -1,4 +1,4 @@
-"""One place that turns user errors into one line and exit code 2."""
+"""One place that turns known errors into one line: exit 2 for user errors, 1 for the environment."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from typing import Callable
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
+from ligertune.distributed import is_main_process
 from ligertune.errors import EnvironmentFault, UserError
 
 
@@ -18,19 +20,49 @@ def debug_enabled() -> bool:
 
 
 def guarded(fn: Callable) -> Callable:
-    """Turn a `UserError` into red `error:` lines on stderr and exit code 2, an `EnvironmentFault`
-    into the same with exit code 1 (the traceback with --debug)."""
+    """Report a `UserError` as red `error:` lines on stderr with exit code 2, an `EnvironmentFault`
+    or an exhausted memory with exit code 1 (the traceback with --debug)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (UserError, EnvironmentFault) as err:
+        except UserError as err:
             if debug_enabled():
                 raise
-            console = Console(stderr=True, highlight=False, soft_wrap=True)
-            for line in str(err).splitlines() or [type(err).__name__]:
-                console.print(f"[bold red]error:[/] {line}", markup=True)
-            raise typer.Exit(2 if isinstance(err, UserError) else 1) from None
+            print_error(err)
+            raise typer.Exit(2) from None
+        except EnvironmentFault as err:
+            if debug_enabled():
+                raise
+            print_error(err)
+            raise typer.Exit(1) from None
+        except Exception as err:
+            if debug_enabled() or not out_of_memory(err):
+                raise
+            print_error(f"out of memory: {first_line(err)}")
+            raise typer.Exit(1) from None
 
     return wrapper
+
+
+def print_error(err: BaseException | str) -> None:
+    """Each line of the message after a red `error:`, printed literally (never read as rich markup:
+    messages echo paths, keys and data that may hold brackets)."""
+    if not is_main_process():  # with several processes every rank fails alike; rank 0 says why
+        return
+    console = Console(stderr=True, highlight=False, soft_wrap=True)
+    for line in str(err).splitlines() or [type(err).__name__]:
+        console.print(Text.assemble(("error:", "bold red"), " ", line))
+
+
+def out_of_memory(err: BaseException) -> bool:
+    """A failed allocation: `MemoryError`, torch's `OutOfMemoryError`, or the CPU allocator's refusal."""
+    if isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError":
+        return True
+    return isinstance(err, RuntimeError) and "can't allocate memory" in str(err)
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

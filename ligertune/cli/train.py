@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 from pathlib import Path
 from typing import Annotated, Optional
@@ -10,6 +11,7 @@ import typer
 from rich.console import Console
 
 from ligertune.cli.options import RecipeArg, SetOpt
+from ligertune.distributed import is_main_process, launch
 from ligertune.errors import UserError
 
 
@@ -26,6 +28,10 @@ def train(
         bool,
         typer.Option("--resume", help="Continue the run in output.dir from its latest checkpoint (or from CHECKPOINT)."),
     ] = False,
+    nproc: Annotated[
+        int,
+        typer.Option("--nproc", min=1, help="Train with N processes (one per GPU; gloo on the CPU), as torchrun does."),
+    ] = 1,
     checkpoint: Annotated[
         Optional[Path],
         typer.Argument(help="With --resume: the checkpoint or run directory to continue from.", show_default=False),
@@ -49,6 +55,12 @@ def train(
         overrides.append(f"train.max_steps={max_steps}")
     if checkpoint is not None and not resume:
         raise UserError(f"{checkpoint}: a checkpoint to continue from goes with --resume")
+    if nproc > 1 and "RANK" not in os.environ:
+        load_recipe(recipe, overrides)  # a mistake in the recipe is reported once, before any process starts
+        args = ["train", str(recipe), *(f"--set={o}" for o in overrides)]
+        if resume:
+            args += ["--resume", *([str(checkpoint)] if checkpoint else [])]
+        raise typer.Exit(launch(nproc, args))
     console = Console()
     try:
         run_training(load_recipe(recipe, overrides), console=console,
@@ -56,11 +68,13 @@ def train(
                      resume_command=shlex.join(["ligertune", "train", str(recipe),
                                                 *(f"--set={o}" for o in overrides), "--resume"]))
     except RunInterrupted as stop:
-        Console(stderr=True, highlight=False).print(str(stop), markup=False)
+        if is_main_process():
+            Console(stderr=True, highlight=False).print(str(stop), markup=False)
         raise typer.Exit(stop.exit_code) from None
     except KeyboardInterrupt:
-        Console(stderr=True, highlight=False).print(
-            "interrupted; nothing half-written was left (the last complete checkpoint, if any, is intact)",
-            markup=False,
-        )
+        if is_main_process():
+            Console(stderr=True, highlight=False).print(
+                "interrupted; nothing half-written was left (the last complete checkpoint, if any, is intact)",
+                markup=False,
+            )
         raise typer.Exit(130) from None

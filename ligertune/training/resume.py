@@ -55,13 +55,24 @@ def find_checkpoint(run_dir: Path, resume: str | Path) -> Path:
                     "with checkpoints")
 
 
-def check_resumable(saved_recipe: dict, recipe: Recipe, checkpoint: Path) -> None:
-    """Refuse, naming the keys, a recipe that changes the math of the checkpoint's run."""
-    before, after = _flatten(saved_recipe), _flatten(recipe.to_dict())
+def check_resumable(saved: dict, recipe: Recipe, checkpoint: Path, *, world_size: int = 1) -> None:
+    """Refuse, naming the keys, a recipe that changes the math of the checkpoint's run.
+
+    `grad_accum_steps` may change with the number of processes as long as a step takes as many
+    packs (`micro_batch_size x grad_accum_steps x processes`): 2 processes x 2 continue as 1 x 4.
+    """
+    before, after = _flatten(saved["recipe"]), _flatten(recipe.to_dict())
+    saved_world = saved.get("world_size", 1)
+    same_step = (before["train.grad_accum_steps"] * saved_world == recipe.train.grad_accum_steps * world_size)
     changed = sorted(
         key for key in before.keys() | after.keys()
         if before.get(key) != after.get(key) and not key.startswith(RESUMABLE_CHANGES)
+        and not (key == "train.grad_accum_steps" and same_step)
     )
+    if not same_step and "train.grad_accum_steps" not in changed:
+        changed.append("train.grad_accum_steps")
+        after["train.grad_accum_steps"] = (f"{recipe.train.grad_accum_steps} with {world_size} processes, "
+                                           f"{before['train.grad_accum_steps']} x {saved_world} before")
     if changed:
         shown = ", ".join(f"{k} ({before.get(k)!r} -> {after.get(k)!r})" for k in changed[:6])
         more = f" and {len(changed) - 6} more" if len(changed) > 6 else ""

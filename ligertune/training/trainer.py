@@ -267,7 +267,7 @@ def setup(recipe: Recipe, console: Console, *, resume: str | Path | None = None,
             return None, None
         checkpoint = find_checkpoint(output_dir, resume)
         saved = load_trainer_state(checkpoint)
-        check_resumable(saved["recipe"], recipe, checkpoint)
+        check_resumable(saved, recipe, checkpoint, world_size=topology.world_size)
         return checkpoint, saved
 
     checkpoint, saved = together(find)

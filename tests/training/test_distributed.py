@@ -1,0 +1,166 @@
+"""Several processes (2 gloo processes on the CPU) compute what one process computes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+from transformers import AutoModelForCausalLM
+
+from ligertune.distributed import split_packs
+from ligertune.numerics import relative_error
+from ligertune.recipe import load_recipe
+from ligertune.training.checkpoint import read_metrics
+from ligertune.training.trainer import cleanup, setup, train_loop
+from distributed_step import MODES, step_gradients
+from tiny_recipe import TINY_MODEL, write_recipe
+
+HERE = Path(__file__).resolve().parent
+# Every option of the loss on, so that each term goes through the ranks.
+LOSS = ["loss.z_loss_weight=1e-3", "loss.label_smoothing=0.1"]
+
+
+def torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{HERE}:{HERE.parent}"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def ligertune(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "ligertune", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_split_packs_gives_each_rank_as_many_packs_with_balanced_tokens():
+    lengths = [100, 90, 80, 10, 10, 5, 3, 2]
+    shares = split_packs(lengths, 2, length=lambda n: n)
+    assert [len(s) for s in shares] == [4, 4]
+    assert sorted(sum(shares, [])) == sorted(lengths)
+    assert {sum(s) for s in shares} == {125, 175}  # the best split of these with 4 packs a rank
+    even = split_packs([8, 7, 6, 5, 4, 3, 2, 1], 2, length=lambda n: n)
+    assert [sum(s) for s in even] == [18, 18]
+    assert split_packs(lengths, 2, length=lambda n: n) == shares  # deterministic
+    with pytest.raises(ValueError):
+        split_packs(lengths[:3], 2, length=lambda n: n)
+
+
+@pytest.mark.parametrize("setting", [
+    pytest.param([], id="full-fsdp"),
+    pytest.param(["distributed.strategy=ddp"], id="full-ddp"),
+    pytest.param(["lora.r=4", "lora.alpha=8"], id="lora-fsdp"),
+])
+def test_two_processes_give_the_loss_and_gradients_of_one(tmp_path: Path, setting: list[str]):
+    """1 process x accumulation 2 == 2 processes x 1, for every normalization (z-loss and label
+    smoothing on): the loss and every gradient within 1e-5."""
+    path = write_recipe(tmp_path, train={"micro_batch_size": 2, "grad_accum_steps": 2},
+                        model={"config": {**TINY_MODEL, "tie_word_embeddings": True}})
+    overrides = [*LOSS, *setting]
+    result = torchrun(str(HERE / "distributed_step.py"), str(path), str(tmp_path / "two.pt"),
+                      *overrides, "train.grad_accum_steps=1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    two = torch.load(tmp_path / "two.pt", weights_only=True)
+    one = step_gradients(str(path), overrides, tmp_path / "one")
+    for mode in MODES:
+        loss_one, grads_one = one[mode]
+        loss_two, grads_two = two[mode]
+        assert loss_two == pytest.approx(loss_one, rel=1e-5), mode
+        assert grads_one.keys() == grads_two.keys()
+        for name, g in grads_one.items():
+            assert relative_error(grads_two[name], g) < 1e-5, (mode, name)
+
+
+def test_two_process_runs_train_save_resume_and_reload_as_one(tmp_path: Path):
+    """Metrics and the final model of a 2-process run equal one process's; a 2-process checkpoint
+    resumes at 2 processes and at 1, to the same end."""
+    path = write_recipe(tmp_path, train={"max_steps": 4, "save_every": 2, "eval_every": 2,
+                                         "micro_batch_size": 2, "grad_accum_steps": 1},
+                        optim={"schedule": "constant"})
+    two = tmp_path / "two"
+    result = ligertune("train", str(path), "--nproc", "2", "-o", str(two), "--set", "train.max_steps=3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (two / "checkpoints" / "step-000002" / "optimizer" / ".metadata").exists()
+    # Continue at 2 processes ...
+    result = ligertune("train", str(path), "--nproc", "2", "-o", str(two), "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    # ... and the same checkpoint at 1 process with twice the accumulation.
+    one_from_two = tmp_path / "one-from-two"
+    (one_from_two / "checkpoints").mkdir(parents=True)
+    os.symlink(two / "checkpoints" / "step-000002", one_from_two / "checkpoints" / "step-000002")
+    resumed = setup(load_recipe(path, [f"output.dir={one_from_two}", "train.grad_accum_steps=2"]),
+                    Console(quiet=True), resume=two / "checkpoints" / "step-000002")
+    try:
+        train_loop(resumed)
+    finally:
+        cleanup(resumed)
+    straight = setup(load_recipe(path, [f"output.dir={tmp_path / 'one'}", "train.grad_accum_steps=2"]),
+                     Console(quiet=True))
+    try:
+        train_loop(straight)
+    finally:
+        cleanup(straight)
+
+    def train_records(run_dir: Path) -> list[dict]:
+        return [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+
+    one_records = {r["step"]: r for r in train_records(tmp_path / "one")}
+    assert [r["step"] for r in train_records(two)] == [1, 2, 3, 4]
+    assert [r["step"] for r in train_records(one_from_two)] == [3, 4]
+    for records in (train_records(two), train_records(one_from_two)):
+        for mine in records:
+            reference = one_records[mine["step"]]
+            assert mine["tokens"] == reference["tokens"]
+            assert mine["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+            assert mine["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-4)
+    # The final model, gathered from the shards, reloads in Hugging Face format and matches.
+    ids = torch.tensor([straight.eval_examples[0].input_ids])
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "final")(input_ids=ids).logits
+    for final in (two / "final", one_from_two / "final"):
+        logits = AutoModelForCausalLM.from_pretrained(final)(input_ids=ids).logits
+        assert relative_error(logits, expected) < 1e-4, final
+
+
+def test_lora_adapters_of_a_two_process_run_reload_with_peft(tmp_path: Path):
+    from peft import PeftModel
+
+    from ligertune.models import build_model
+
+    path = write_recipe(tmp_path, train={"max_steps": 2, "micro_batch_size": 2, "grad_accum_steps": 1,
+                                         "eval_every": None},
+                        lora={"r": 4, "alpha": 8}, optim={"lr": 1e-2})
+    result = ligertune("train", str(path), "--nproc", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    final = tmp_path / "run" / "final"
+    assert (final / "adapter_model.safetensors").exists()
+    straight = setup(load_recipe(path, [f"output.dir={tmp_path / 'one'}", "train.grad_accum_steps=2"]),
+                     Console(quiet=True))
+    try:
+        train_loop(straight)
+    finally:
+        cleanup(straight)
+    ids = torch.tensor([straight.eval_examples[0].input_ids])
+    logits = {}
+    for name, folder in (("two", final), ("one", tmp_path / "one" / "final")):
+        base = build_model(straight.recipe.model, device="cpu", seed=straight.recipe.train.seed,
+                           vocab_size=len(straight.tokenizer))
+        model = PeftModel.from_pretrained(base, folder).eval()
+        logits[name] = model(input_ids=ids).logits
+    assert relative_error(logits["two"], logits["one"]) < 1e-4
+
+
+def test_a_mistake_under_two_processes_is_reported_once_with_exit_2(tmp_path: Path):
+    path = write_recipe(tmp_path)
+    result = ligertune("train", str(path), "--nproc", "2", "--set", "optim.lr=-1", timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.count("error:") == 1 and "optim.lr" in result.stderr
+    # A mistake found once the processes run (the data file is missing): still once, no hang.
+    result = ligertune("train", str(path), "--nproc", "2", "--set", "data.path=missing.jsonl", timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.count("error:") == 1 and "missing.jsonl" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -26,5 +26,5 @@ class DataError(UserError):
 
 
 class EnvironmentFault(Exception):
-    """A fault of the machine, not of the input (a full disk, a folder that cannot be written):
-    reported in one line naming the path and the cause, exit 1."""
+    """A fault of the machine, not of the input (a full disk, a folder that cannot be written, a hub
+    that cannot be reached): reported in one line naming the path and the cause, exit 1."""

@@ -53,7 +53,7 @@ def test_value_checks_run_when_types_are_right():
     problems = problems_of({**MINIMAL, "optim": {"lr": -1, "betas": [0.9]}, "lora": {"r": 0}})
     assert "optim.lr: must be > 0, got -1.0" in problems
     assert "optim.betas: must be two numbers in [0, 1), got [0.9]" in problems
-    assert "lora.r: must be >= 1, got 0" in problems
+    assert "lora.r: must be in [1, 65536], got 0" in problems
 
 
 @pytest.mark.parametrize(

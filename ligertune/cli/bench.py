@@ -113,10 +113,10 @@ def kernels(
         console.print(table)
     if json_file is not None:
         write_json(json_file, report.to_dict())
-        console.print(f"wrote {json_file}")
+        console.print(f"wrote {json_file}", markup=False)
     if plot is not None:
         plot_kernels(report, plot)
-        console.print(f"wrote {plot}")
+        console.print(f"wrote {plot}", markup=False)
 
 
 @app.command("step")
@@ -157,4 +157,4 @@ def step(
     console.print(step_table(report))
     if json_file is not None:
         write_json(json_file, report.to_dict())
-        console.print(f"wrote {json_file}")
+        console.print(f"wrote {json_file}", markup=False)

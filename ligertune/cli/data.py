@@ -63,7 +63,7 @@ def data(recipe: RecipeArg, set_: SetOpt = None, json_: JsonOpt = False, show: S
         body = Text()
         for text, trained in segments:
             body.append(text, style=TRAINED_STYLE if trained else CONTEXT_STYLE)
-        console.print(Panel(body, title=origin, title_align="left"))
+        console.print(Panel(body, title=Text(origin), title_align="left"))  # Text: no markup in paths
     console.print(data_table(prepared.stats))
     if len(prepared.stats.sources) > 1:
         console.print(sources_table(prepared.stats))
@@ -99,7 +99,7 @@ def sources_table(stats: DataStats) -> Table:
         table.add_column(name, justify="left" if name == "source" else "right")
     for s in stats.sources:
         table.add_row(
-            s.path, f"{s.records:,}", f"{s.bad_records:,}", f"{sum(s.dropped.values()):,}",
+            Text(s.path), f"{s.records:,}", f"{s.bad_records:,}", f"{sum(s.dropped.values()):,}",
             f"{sum(s.truncated.values()):,}", f"{s.kept:,}", f"{s.eval:,}", f"{s.taken:,}",
             "yes" if s.cached else "no",
         )

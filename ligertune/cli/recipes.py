@@ -62,6 +62,6 @@ def cp(
     if file.exists() and not force:
         raise UserError(f"{file} exists; pass --force to replace it")
     shutil.copyfile(path, file)
-    Console().print(f"copied {name} to {file}")
+    Console().print(f"copied {name} to {file}", markup=False)
     if any(line.strip().startswith(("path:", "eval_path:", "tokenizer:")) for line in path.read_text().splitlines()):
         Console().print("[dim]relative data and tokenizer paths resolve next to the recipe file: adjust them if needed[/]")

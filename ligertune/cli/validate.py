@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 
 from ligertune.cli.options import RecipeArg, SetOpt
 
@@ -21,10 +22,11 @@ def validate(recipe: RecipeArg, set_: SetOpt = None) -> None:
 
     console = Console()
     loaded = load_recipe(recipe, list(set_ or []))
-    console.print(f"[green]ok[/] recipe {recipe}")
+    # Paths and names are the user's: escaped, so that brackets in them print as written.
+    console.print(f"[green]ok[/] recipe {escape(str(recipe))}")
     tokenizer = load_tokenizer(loaded.model)
     console.print(f"[green]ok[/] tokenizer {type(tokenizer).__name__}, {len(tokenizer)} tokens")
-    console.print(f"[green]ok[/] model {check_model(loaded.model, vocab_size=len(tokenizer))}")
+    console.print(f"[green]ok[/] model {escape(check_model(loaded.model, vocab_size=len(tokenizer)))}")
     data = prepare_data(loaded.data, tokenizer, seed=loaded.train.seed, show_progress=False)
     stats = data.stats
     console.print(

@@ -44,6 +44,13 @@ from ligertune.errors import DataError, UserError
 
 IGNORE_INDEX = -100
 
+# A text longer than PROBE_CHARS_PER_TOKEN * (limit + BOUNDARY_TOKENS) characters is measured on
+# prefixes before it is tokenized in full (`fits`): chat text runs at 3-5 characters per token, so the
+# first prefix almost always settles it. BOUNDARY_TOKENS covers what cutting a text can add at the cut
+# (a word split in two, a special token cut open; WordPiece's [UNK] for a long word, at most 100).
+PROBE_CHARS_PER_TOKEN = 8
+BOUNDARY_TOKENS = 128
+
 TrainOn = Literal["assistant", "last_assistant", "all"]
 Message = dict[str, str]
 
@@ -69,16 +76,21 @@ class ConversationError(DataError):
 
 
 def check_tokenizer(tokenizer: Any) -> None:
-    """Rendering needs a chat template and character offsets (a fast tokenizer)."""
+    """Rendering needs a chat template and character offsets (a fast tokenizer).
+
+    `models.load_tokenizer` checks both and names the recipe key; this check, for tokenizers made
+    otherwise, names the tokenizer's own `name_or_path`.
+    """
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
     if not getattr(tokenizer, "chat_template", None):
         raise UserError(
-            "the tokenizer has no chat template: conversations are rendered with the tokenizer's own "
-            "template, so use a chat/instruct tokenizer (or set `tokenizer.chat_template`)"
+            f"the tokenizer {name} has no chat template: conversations are rendered with the "
+            "tokenizer's own template, so use a chat/instruct tokenizer (or set `tokenizer.chat_template`)"
         )
     if not getattr(tokenizer, "is_fast", False):
         raise UserError(
-            "the tokenizer is not a fast (Rust `tokenizers`) tokenizer: masking needs its character "
-            "offsets"
+            f"the tokenizer {name} is not a fast (Rust `tokenizers`) tokenizer: masking needs its "
+            "character offsets"
         )
 
 
@@ -102,9 +114,39 @@ def render(tokenizer: Any, messages: Sequence[Message], *, add_generation_prompt
 
 
 def encode(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-    """Token ids of rendered text (no special tokens added: the template wrote them) and their offsets."""
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    """Token ids of rendered text (no special tokens added: the template wrote them) and their offsets.
+
+    `verbose=False`: `transformers` would warn of "indexing errors" for a text longer than the
+    model's context, but too-long conversations are truncated or dropped here, never fed whole.
+    """
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     return list(encoding["input_ids"]), list(encoding["offset_mapping"])
+
+
+def count_tokens(tokenizer: Any, text: str) -> int:
+    """The number of tokens `encode` gives for `text` (no offsets computed)."""
+    return len(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+
+
+def probe_chars(limit: int) -> int:
+    """Texts of more characters than this are measured on prefixes first (`fits`)."""
+    return PROBE_CHARS_PER_TOKEN * (limit + BOUNDARY_TOKENS)
+
+
+def fits(tokenizer: Any, text: str, limit: int) -> bool:
+    """Whether `text` has at most `limit` tokens, without tokenizing all of a text far too long.
+
+    A long text (over `probe_chars(limit)` characters) is tokenized on prefixes of doubling length
+    first: a prefix of more than `limit + BOUNDARY_TOKENS` tokens settles it (the whole text has at
+    least `limit + 1`), at a cost in proportion to `limit` rather than to the text: a 50 MB record
+    is not tokenized in full to be dropped. Otherwise the whole text is counted.
+    """
+    size = max(probe_chars(limit), 1)
+    while size < len(text):
+        if count_tokens(tokenizer, text[:size]) > limit + BOUNDARY_TOKENS:
+            return False
+        size *= 2
+    return count_tokens(tokenizer, text) <= limit
 
 
 def tokenize_conversation(

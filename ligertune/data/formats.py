@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from ligertune.errors import DataError
+from ligertune import hub
+from ligertune.errors import DataError, EnvironmentFault
 
 FORMATS = ("messages", "sharegpt", "prompt_completion")
 ROLES = ("system", "user", "assistant", "tool")
@@ -64,9 +65,11 @@ class BadRecord:
 
 
 def is_local(path: str) -> bool:
-    """A source is a local file when it exists or names a data file; anything else is a hub name."""
+    """A source is a local file when it exists, names a data file, or is meant as a path
+    (`ligertune.hub.meant_as_path`: `./x`, `a/b/c`, `data/x` beside a folder `data`); anything else
+    is a hub dataset name."""
     p = Path(path).expanduser()
-    return p.exists() or p.suffix.lower() in LOCAL_SUFFIXES
+    return p.exists() or p.suffix.lower() in LOCAL_SUFFIXES or hub.meant_as_path(path)
 
 
 def iter_records(path: str, *, split: str = "train") -> Iterator[tuple[str, Any]]:
@@ -79,15 +82,20 @@ def iter_records(path: str, *, split: str = "train") -> Iterator[tuple[str, Any]
         yield from _iter_hub(path, split)
         return
     file = Path(path).expanduser()
-    if not file.is_file():
-        raise DataError(f"{path}: data file not found" if not file.exists() else f"{path}: not a file")
+    if not file.exists():
+        raise DataError(f"{path}: data file not found")
+    if file.is_dir():
+        raise DataError(f"{path}: is a directory; expected a .jsonl, .json or .parquet file")
     suffix = file.suffix.lower()
-    if suffix == ".parquet":
-        yield from _iter_parquet(file, path)
-    elif suffix in (".jsonl", ".json"):
-        yield from _iter_json(file, path)
-    else:
+    if suffix not in LOCAL_SUFFIXES:
         raise DataError(f"{path}: unsupported file type {suffix!r} (expected .jsonl, .json or .parquet)")
+    try:
+        if suffix == ".parquet":
+            yield from _iter_parquet(file, path)
+        else:
+            yield from _iter_json(file, path)
+    except OSError as err:  # permission denied, a special file, an I/O error
+        raise DataError(f"{path}: cannot read: {err.strerror or err}") from None
 
 
 def _iter_json(file: Path, name: str) -> Iterator[tuple[str, Any]]:
@@ -111,6 +119,10 @@ def _iter_json(file: Path, name: str) -> Iterator[tuple[str, Any]]:
                 record = BadRecord("not valid UTF-8")
             except json.JSONDecodeError as err:
                 record = BadRecord(f"invalid JSON: {err.msg} (column {err.colno})")
+            except RecursionError:
+                record = BadRecord("invalid JSON: nested too deeply")
+            except ValueError as err:  # an integer of over 4300 digits
+                record = BadRecord(f"invalid JSON: {_first_line(err)}")
             yield f"{name}:{lineno}", record
 
 
@@ -145,6 +157,10 @@ def _iter_json_array(file: Path, name: str) -> Iterator[tuple[str, Any]]:
             record, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as err:
             raise DataError(f"{name}:{err.lineno}: invalid JSON: {err.msg} (column {err.colno})") from None
+        except RecursionError:
+            raise DataError(f"{name}:{line}: invalid JSON: nested too deeply") from None
+        except ValueError as err:  # an integer of over 4300 digits
+            raise DataError(f"{name}:{line}: invalid JSON: {_first_line(err)}") from None
         yield f"{name}:{line}", record
         pos = skip_space(end)
         if pos < len(text) and text[pos] == ",":
@@ -174,7 +190,12 @@ def _iter_parquet(file: Path, name: str) -> Iterator[tuple[str, Any]]:
 
 
 def _iter_hub(name: str, split: str) -> Iterator[tuple[str, Any]]:
-    """Rows of a hub dataset through `datasets.load_dataset` (imported only when needed)."""
+    """Rows of a hub dataset through `datasets.load_dataset` (imported only when needed).
+
+    When the hub cannot be reached, `datasets` reads its local cache only if told so by
+    `HF_HUB_OFFLINE=1` (else it retries for a minute): without that variable, an unreachable hub
+    is reported at once.
+    """
     try:
         import datasets
     except ImportError:
@@ -182,10 +203,19 @@ def _iter_hub(name: str, split: str) -> Iterator[tuple[str, Any]]:
             f"{name}: no such local file, and reading it as a hub dataset needs the `datasets` "
             "package (pip install 'ligertune[hub]')"
         ) from None
+    offline = hub.offline_reason()
+    unreachable = (f"{name}: not found locally and the hub cannot be reached (offline: {offline}); "
+                   "give a local file, or download the dataset while online")
+    if offline is not None and hub.offline_by_env() is None:
+        raise EnvironmentFault(f"{unreachable} (or set HF_HUB_OFFLINE=1 to read the `datasets` cache)")
     try:
         dataset = datasets.load_dataset(name, split=split)
     except Exception as err:  # the hub raises many kinds: connection, not found, unknown split
-        raise DataError(f"{name}: cannot load the hub dataset (split {split!r}): {err}") from None
+        if offline is not None:
+            raise EnvironmentFault(f"{unreachable}: {_first_line(err)}") from None
+        raise DataError(
+            f"{name}: cannot load the hub dataset (split {split!r}): {_first_line(err)}"
+        ) from None
     for row, record in enumerate(dataset, 1):
         yield f"{name}[{split}]:row {row}", record
 
@@ -312,7 +342,17 @@ def _content(item: dict, key: str, number: int) -> str:
     content = item[key]
     if not isinstance(content, str):
         raise RecordError(f"message {number} has non-string `{key}` (got {_kind(content)})")
+    try:
+        content.encode("utf-8")
+    except UnicodeEncodeError as err:  # JSON's "\ud800" escapes decode to lone surrogates
+        raise RecordError(f"message {number} has invalid text in `{key}`: a lone surrogate "
+                          f"{content[err.start]!r} at character {err.start + 1}") from None
     return content
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _kind(value: Any) -> str:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -43,8 +44,10 @@ from ligertune.data import cache
 from ligertune.data.chat import (
     ConversationError,
     TokenizedExample,
+    check_roles,
     check_tokenizer,
-    encode,
+    fits,
+    probe_chars,
     render,
     tokenize_conversation,
 )
@@ -91,24 +94,42 @@ class Outcome:
 
 
 def process_conversation(tokenizer: Any, conversation: Conversation, settings: TokenizeSettings) -> Outcome:
-    """Tokenize, mask and fit one conversation to `max_seq_len`."""
+    """Tokenize, mask and fit one conversation to `max_seq_len`.
+
+    A conversation of many more characters than `max_seq_len` could hold is measured before it is
+    tokenized and masked (`chat.fits`); when it cannot fit, it goes straight to the length policy,
+    and is counted as it would be after tokenizing it all.
+    """
+    messages = conversation.messages
     try:
-        example = tokenize_conversation(tokenizer, conversation.messages, train_on=settings.train_on)
+        if sum(len(m["content"]) for m in messages) > probe_chars(settings.max_seq_len):
+            check_roles(messages)
+            if not fits(tokenizer, render(tokenizer, messages), settings.max_seq_len):
+                return fit_too_long(tokenizer, conversation, settings)
+        example = tokenize_conversation(tokenizer, messages, train_on=settings.train_on)
         if example.trained_tokens == 0:
             return Outcome("no_trained_tokens")
-        removed = 0
         if len(example) > settings.max_seq_len:
-            if settings.truncation == "drop":
-                return Outcome("too_long")
-            example, removed = drop_trailing_turns(tokenizer, conversation.messages, settings)
-            if example is None:
-                return Outcome("too_long")
-            if example.trained_tokens == 0:
-                return Outcome("no_trained_tokens")
+            return fit_too_long(tokenizer, conversation, settings)
     except ConversationError as err:
         return Outcome("bad", problem=f"{conversation.origin}: {err}")
     example.origin = conversation.origin
-    return Outcome("truncated" if removed else "ok", example, removed)
+    return Outcome("ok", example)
+
+
+def fit_too_long(tokenizer: Any, conversation: Conversation, settings: TokenizeSettings) -> Outcome:
+    """The length policy for a conversation longer than `max_seq_len` (`truncation`)."""
+    if settings.train_on != "all" and not any(m["role"] == "assistant" for m in conversation.messages):
+        return Outcome("no_trained_tokens")  # what tokenizing it would have found first
+    if settings.truncation == "drop":
+        return Outcome("too_long")
+    example, removed = drop_trailing_turns(tokenizer, conversation.messages, settings)
+    if example is None:
+        return Outcome("too_long")
+    if example.trained_tokens == 0:
+        return Outcome("no_trained_tokens")
+    example.origin = conversation.origin
+    return Outcome("truncated", example, removed)
 
 
 def drop_trailing_turns(
@@ -123,8 +144,7 @@ def drop_trailing_turns(
     lo, hi, best = 0, len(cuts) - 1, None
     while lo <= hi:
         mid = (lo + hi) // 2
-        n_tokens = len(encode(tokenizer, render(tokenizer, messages[: cuts[mid]]))[0])
-        if n_tokens <= settings.max_seq_len:
+        if fits(tokenizer, render(tokenizer, messages[: cuts[mid]]), settings.max_seq_len):
             best, lo = cuts[mid], mid + 1
         else:
             hi = mid - 1
@@ -266,7 +286,9 @@ def load_sources(cfg: DataConfig, tokenizer: Any, sources: Sequence[DataSource],
     try:
         with _progress(show_progress) as progress:
             for data, conversations, path in todo:
-                task = progress.add_task(f"tokenizing {_short(data.stats.path)}", total=len(conversations))
+                # The description is read as rich markup: the path is the user's, printed literally.
+                task = progress.add_task(f"tokenizing {escape(_short(data.stats.path))}",
+                                         total=len(conversations))
                 outcomes = tokenize_conversations(
                     conversations, tokenizer, settings, pool=pool, workers=workers,
                     on_progress=lambda n, task=task: progress.advance(task, n),
@@ -334,8 +356,11 @@ def target_counts(sources: list[DataSource], sizes: list[int]) -> list[int]:
         return [s.samples if s.samples is not None else size for s, size in zip(sources, sizes)]
     if any(s.weight is not None for s in sources):
         weights = [s.weight if s.weight is not None else 1.0 for s in sources]
+        # Shares relative to the largest weight: no sum of huge (or product of tiny) weights overflows.
+        top = max(weights)
+        shares = [w / top for w in weights]
         total = sum(sizes)
-        return [round(total * w / sum(weights)) for w in weights]
+        return [round(total * (share / sum(shares))) for share in shares]
     return list(sizes)
 
 
@@ -347,7 +372,8 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, *, seed: int, show_progress: b
     """Read, tokenize, mask, fit, split and weight the recipe's data (see the module docstring).
 
     Raises `DataError` naming file and line for the first malformed record (unless
-    `on_bad_record: skip`), and when a source asked to give conversations has none usable.
+    `on_bad_record: skip`), and naming the file when a source (training or evaluation) is empty or
+    has no usable conversation left.
     """
     check_tokenizer(tokenizer)
     if cfg.path is None and not cfg.sources:
@@ -357,6 +383,8 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, *, seed: int, show_progress: b
     if cfg.eval_path is not None:
         all_sources.append(DataSource(path=cfg.eval_path, format=cfg.format, split=cfg.split))
     loaded = load_sources(cfg, tokenizer, all_sources, show_progress=show_progress)
+    for data in loaded:
+        check_usable(data)
 
     train_parts, eval_parts = [], []
     for i, data in enumerate(loaded[: len(train_sources)]):
@@ -372,16 +400,27 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, *, seed: int, show_progress: b
 
     counts = target_counts(train_sources, [len(part) for part in train_parts])
     train: list[TokenizedExample] = []
-    for i, (source, part, count) in enumerate(zip(train_sources, train_parts, counts)):
-        if count > 0 and not part:
-            stats = loaded[i].stats
-            raise DataError(f"{source.path}: no usable conversation to take {count} from "
-                            f"(dropped: {stats.dropped or 'none'}, bad records: {stats.bad_records})")
-        taken = take(part, count, random.Random(f"ligertune-data:{seed}:take:{i}")) if part else []
+    for i, (part, count) in enumerate(zip(train_parts, counts)):  # no part is empty (`check_usable`)
+        taken = take(part, count, random.Random(f"ligertune-data:{seed}:take:{i}"))
         loaded[i].stats.taken = len(taken)
         train.extend(taken)
     eval_examples = [e for part in eval_parts for e in part]
     return PreparedData(train, eval_examples, summarize(loaded, train, eval_examples))
+
+
+def check_usable(data: SourceData) -> None:
+    """A source that gives no conversation at all is a mistake: say which, and what became of it."""
+    stats = data.stats
+    if data.examples:
+        return
+    if stats.records == 0:
+        raise DataError(f"{stats.path}: no records (the file is empty)")
+    fates = [f"{reason.replace('_', ' ')}: {count}" for reason, count in sorted(stats.dropped.items())]
+    if stats.bad_records:
+        fates.append(f"bad records skipped: {stats.bad_records}")
+    records = f"{stats.records} record{'s' * (stats.records != 1)}"
+    raise DataError(f"{stats.path}: no usable conversation among its {records} "
+                    f"({'; '.join(fates) or 'none kept'})")
 
 
 def summarize(loaded: list[SourceData], train: list[TokenizedExample], eval_examples: list[TokenizedExample]

@@ -5,19 +5,32 @@ from __future__ import annotations
 import contextlib
 import difflib
 import inspect
+import math
+import re
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 import torch
 
+from ligertune import hub
 from ligertune.devices import resolve_dtype
-from ligertune.errors import UserError
+from ligertune.errors import EnvironmentFault, UserError
 from ligertune.models.attention import register_packed_attention
 from ligertune.models.presets import PRESETS, preset_fields
 from ligertune.recipe import ModelConfig
 
 # Config keys `transformers` still accepts under their older names (and converts).
 _LEGACY_CONFIG_KEYS = frozenset({"rope_theta", "rope_scaling", "torch_dtype"})
+# Config keys that count something (a width, heads, layers): a positive integer or null (the default),
+# at most _SIZE_MAX (kernels index with 32-bit integers) and, for layers, at most _LAYERS_MAX (each
+# layer is built one after the other: a billion of them would not finish).
+_SIZE_MAX = 2**31 - 1
+_LAYERS_MAX = 1000
+_SIZE_KEYS = frozenset({
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "vocab_size", "max_position_embeddings", "moe_intermediate_size",
+    "shared_expert_intermediate_size", "num_experts", "num_local_experts", "num_experts_per_tok",
+})
 
 
 def attn_implementation(attention: str) -> str:
@@ -43,11 +56,24 @@ def load_tokenizer(model_cfg: ModelConfig):
         raise UserError(
             "model.tokenizer: a model built from `config` needs a tokenizer (a local directory or hub id)"
         )
-    _check_local(source, key)
+    offline = _check_source(source, key)
     try:
-        return AutoTokenizer.from_pretrained(source, trust_remote_code=model_cfg.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(
+            source, trust_remote_code=model_cfg.trust_remote_code, local_files_only=offline is not None
+        )
     except (OSError, ValueError, KeyError) as err:
+        _raise_offline(source, key, offline)
         raise UserError(f"{key}: cannot load a tokenizer from {source!r}: {_first_line(err)}") from None
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(
+            f"{key}: the tokenizer of {source} has no chat template: conversations are rendered with the "
+            "tokenizer's own template, so use a chat/instruct tokenizer (or add a `chat_template` to its "
+            "tokenizer_config.json)"
+        )
+    if not getattr(tokenizer, "is_fast", False):
+        raise UserError(f"{key}: the tokenizer of {source} is not a fast (Rust `tokenizers`) tokenizer: "
+                        "masking needs its character offsets")
+    return tokenizer
 
 
 # --------------------------------------------------------------------------------------------------
@@ -77,7 +103,7 @@ def build_model(
     remote = model_cfg.trust_remote_code
     if model_cfg.config is not None:
         config = build_config(model_cfg.config, vocab_size=vocab_size, trust_remote_code=remote)
-        with _seeded(seed, device), device:
+        with _seeded(seed, device), device, _model_errors(config):
             model = AutoModelForCausalLM.from_config(
                 config, dtype=dtype, attn_implementation=attn, trust_remote_code=remote
             )
@@ -86,12 +112,14 @@ def build_model(
     source = model_cfg.name_or_path
     if source is None:
         raise UserError("model: give `name_or_path` (pretrained) or `config` (random init)")
-    _check_local(source, "model.name_or_path")
+    offline = _check_source(source, "model.name_or_path")
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, attn_implementation=attn, trust_remote_code=remote
+            source, dtype=dtype, attn_implementation=attn, trust_remote_code=remote,
+            local_files_only=offline is not None,
         )
     except (OSError, ValueError, KeyError) as err:
+        _raise_offline(source, "model.name_or_path", offline)
         raise UserError(
             f"model.name_or_path: cannot load a model from {source!r}: {_first_line(err)}"
         ) from None
@@ -105,21 +133,31 @@ def build_model(
 def check_model(model_cfg: ModelConfig, *, vocab_size: int | None = None) -> str:
     """Resolve the recipe's model without loading weights; return a one-line description of it.
 
-    A config (preset or mapping) is built; a pretrained model's config is read (from the local
-    folder, or the hub when `name_or_path` is a hub id).
+    A config (preset or mapping) is built, and the model built from it on the meta device (shapes
+    only, no memory), so that what `train` would refuse is refused here; a pretrained model's config
+    is read (from the local folder, or the hub when `name_or_path` is a hub id).
     """
     if model_cfg.config is not None:
-        config = build_config(model_cfg.config, vocab_size=vocab_size, trust_remote_code=model_cfg.trust_remote_code)
+        from transformers import AutoModelForCausalLM
+
+        remote = model_cfg.trust_remote_code
+        config = build_config(model_cfg.config, vocab_size=vocab_size, trust_remote_code=remote)
+        with torch.device("meta"), _model_errors(config, meta=True):
+            AutoModelForCausalLM.from_config(config, trust_remote_code=remote)
         origin = "random init from config"
     else:
         from transformers import AutoConfig
 
         source = model_cfg.name_or_path
-        _check_local(source, "model.name_or_path")
+        offline = _check_source(source, "model.name_or_path")
         try:
-            config = AutoConfig.from_pretrained(source, trust_remote_code=model_cfg.trust_remote_code)
+            config = AutoConfig.from_pretrained(source, trust_remote_code=model_cfg.trust_remote_code,
+                                                local_files_only=offline is not None)
         except (OSError, ValueError, KeyError) as err:
-            raise UserError(f"model.name_or_path: cannot load a config from {source!r}: {_first_line(err)}") from None
+            _raise_offline(source, "model.name_or_path", offline)
+            raise UserError(
+                f"model.name_or_path: cannot load a config from {source!r}: {_first_line(err)}"
+            ) from None
         origin = f"pretrained from {source}"
     return (f"{config.model_type}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
             f"vocab {config.vocab_size} ({origin})")
@@ -131,7 +169,10 @@ def build_config(
     """A `transformers` config from a preset name or a mapping of config fields with `model_type`.
 
     Unknown field names are an error (with a suggestion): `transformers` would keep a misspelt
-    field as an unused attribute and silently use the default.
+    field as an unused attribute and silently use the default. So are values that would only fail
+    once the model is built or trained, each named `model.config.KEY`: a size that is not a
+    positive integer, heads that do not divide the hidden size (or key/value heads the heads), a
+    number that is not finite, and whatever `transformers` itself refuses.
     """
     from transformers import AutoConfig
 
@@ -151,6 +192,7 @@ def build_config(
     except (ValueError, KeyError):
         raise UserError(f"model.config.model_type: unknown model type {model_type!r}") from None
     _check_config_fields(type(defaults), defaults, fields)
+    _check_config_values(defaults, fields)
     declared = fields.get("vocab_size")
     if vocab_size is not None:
         fields["vocab_size"] = max(int(declared or 0), int(vocab_size))
@@ -158,8 +200,8 @@ def build_config(
         raise UserError("model.config: no `vocab_size`; give one, or a tokenizer to take it from")
     try:
         return AutoConfig.for_model(model_type, trust_remote_code=trust_remote_code, **fields)
-    except (ValueError, TypeError) as err:
-        raise UserError(f"model.config: {_first_line(err)}") from None
+    except _config_refusals() as err:
+        raise UserError(_config_error(err)) from None
 
 
 def _check_config_fields(config_class: type, defaults: Any, fields: Mapping[str, Any]) -> None:
@@ -174,6 +216,93 @@ def _check_config_fields(config_class: type, defaults: Any, fields: Mapping[str,
         problems.append(f"model.config.{key}: unknown field for model type {defaults.model_type!r}{hint}")
     if problems:
         raise UserError("\n".join(problems))
+
+
+def _check_config_values(defaults: Any, fields: Mapping[str, Any]) -> None:
+    """Sizes, head counts and numbers that `transformers` accepts but the model cannot use."""
+    problems = []
+    for key, value in fields.items():
+        problems += [f"model.config.{path}: must be a finite number, got {number}"
+                     for path, number in _non_finite(value, key)]
+        if value is None:
+            continue
+        default = 1.0 if key == "rope_theta" else getattr(defaults, key, None)  # rope_theta: a legacy key
+        if key in _SIZE_KEYS and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            problems.append(f"model.config.{key}: must be a positive integer, got {_shown(value)}")
+        elif key in _SIZE_KEYS and value > (most := _LAYERS_MAX if key == "num_hidden_layers" else _SIZE_MAX):
+            problems.append(f"model.config.{key}: must be at most {most}, got {value}")
+        elif _is_number(default) and not _is_number(value):
+            problems.append(f"model.config.{key}: must be a number, got {_shown(value)}")
+    if not problems:
+        def effective(key: str) -> Any:
+            return fields[key] if key in fields else getattr(defaults, key, None)
+
+        hidden, heads = effective("hidden_size"), effective("num_attention_heads")
+        kv_heads = effective("num_key_value_heads")
+        # With an explicit head_dim, the heads need not tile the hidden size (Qwen3, Gemma).
+        if isinstance(hidden, int) and isinstance(heads, int) and "head_dim" not in fields and hidden % heads:
+            key = "num_attention_heads" if "num_attention_heads" in fields else "hidden_size"
+            problems.append(f"model.config.{key}: {heads} attention heads do not divide hidden_size {hidden} "
+                            "(each head gets hidden_size / num_attention_heads channels)")
+        if isinstance(heads, int) and isinstance(kv_heads, int) and heads % kv_heads:
+            key = "num_key_value_heads" if "num_key_value_heads" in fields else "num_attention_heads"
+            problems.append(f"model.config.{key}: {kv_heads} key/value heads do not divide "
+                            f"num_attention_heads {heads} (each serves the same number of query heads)")
+    if problems:
+        raise UserError("\n".join(problems))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def _non_finite(value: Any, path: str) -> Iterator[tuple[str, float]]:
+    """(key path, value) of every NaN or infinite float in a config value, at any depth."""
+    if isinstance(value, float) and not math.isfinite(value):
+        yield path, value
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _non_finite(item, f"{path}.{key}")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _non_finite(item, f"{path}[{i}]")
+
+
+def _config_refusals() -> tuple[type[BaseException], ...]:
+    """What a config class raises for a value it refuses (huggingface_hub's strict dataclass checks)."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return (ValueError, TypeError)
+    return (ValueError, TypeError, StrictDataclassError)
+
+
+def _config_error(err: BaseException) -> str:
+    """A refusal of `transformers` as one line naming `model.config.KEY` where it names a field."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    cause = lines[-1] if lines else type(err).__name__
+    field = re.search(r"field '(\w+)'", lines[0]) if lines else None
+    return f"model.config.{field.group(1)}: {cause}" if field else f"model.config: {cause}"
+
+
+@contextlib.contextmanager
+def _model_errors(config: Any, *, meta: bool = False) -> Iterator[None]:
+    """A model class that refuses its config (a shape it cannot build) as a `model.config` error.
+
+    On the meta device nothing is allocated, so a `RuntimeError` there (a size that overflows) is
+    the config's too; on a real device it may be an exhausted memory, which is not.
+    """
+    refusals = (ValueError, TypeError, ZeroDivisionError, AttributeError, IndexError)
+    try:
+        yield
+    except refusals + ((RuntimeError,) if meta else ()) as err:
+        raise UserError(f"model.config: cannot build a {config.model_type} model from it: "
+                        f"{_first_line(err)}") from None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -191,20 +320,30 @@ def _seeded(seed: int, device: torch.device) -> Iterator[None]:
         yield
 
 
-def _looks_like_path(source: str) -> bool:
-    """A hub id is `name` or `owner/name`; anything else with separators is meant as a local path."""
-    return source.startswith(("/", "./", "../", "~", ".\\")) or source.count("/") > 1 or "\\" in source
+def _check_source(source: str, key: str) -> str | None:
+    """Check a model or tokenizer source before `from_pretrained`; None, or why the hub is offline.
 
-
-def _check_local(source: str, key: str) -> None:
-    """Fail early, without asking the hub, for a local path that does not exist."""
+    A local directory is fine, a file is not; a path that does not exist fails at once without
+    asking the hub (see `ligertune.hub` for what is taken as a path). A hub id returns why the hub
+    cannot be reached, if it cannot: then only the local hub cache is read (no minute of retries).
+    """
     path = Path(source).expanduser()
     if path.exists():
         if not path.is_dir():
             raise UserError(f"{key}: {source} is a file; expected a directory (or a hub id)")
-        return
-    if _looks_like_path(source):
+        return None
+    if hub.meant_as_path(source):
         raise UserError(f"{key}: {source} not found (no such directory)")
+    return hub.offline_reason()
+
+
+def _raise_offline(source: str, key: str, offline: str | None) -> None:
+    """When the hub is offline, a source missing from the local cache is the network's fault."""
+    if offline is not None:
+        raise EnvironmentFault(
+            f"{key}: {source} not found locally and the hub cannot be reached (offline: {offline}); "
+            "give a local directory, or download it while online"
+        )
 
 
 def _first_line(err: BaseException) -> str:

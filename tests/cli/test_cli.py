@@ -51,9 +51,10 @@ def test_validate_reports_every_schema_problem_with_its_key(tiny_recipe: Path):
                     "--set", "loss.normalization=tokens")
     assert_user_error(
         result,
-        "optim.lr: must be > 0, got -1.0",
-        "model.dtyp: unknown key; did you mean `dtype`?",
-        "loss.normalization: must be one of token, sequence, sum, got 'tokens'; did you mean `token`?",
+        "--set optim.lr=-1: must be > 0, got -1.0",
+        "--set model.dtyp=bf16: unknown key; did you mean `dtype`?",
+        "--set loss.normalization=tokens: must be one of token, sequence, sum, got 'tokens'; "
+        "did you mean `token`?",
     )
 
 

@@ -69,9 +69,18 @@ def test_show_in_json_marks_trained_segments(recipe):
 
 def test_overrides_reach_the_data(recipe):
     report = json.loads(run(str(recipe), "--json", "--set", "data.truncation=drop",
-                            "--set", "data.max_seq_len=40").stdout)
+                            "--set", "data.max_seq_len=70").stdout)
     assert report["data"]["dropped"]["too_long"] > 0
-    assert report["packing"]["max_seq_len"] == 40
+    assert report["packing"]["max_seq_len"] == 70
+
+
+def test_data_with_nothing_usable_names_the_file_and_what_became_of_it(recipe):
+    result = run(str(recipe), "--set", "data.truncation=drop", "--set", "data.max_seq_len=40")
+    assert result.exit_code == 2
+    assert result.stderr.count("error:") == 1
+    assert ("train.jsonl: no usable conversation among its 14 records (no trained tokens: 1; too long: 12; "
+            "bad records skipped: 1)") in result.stderr
+    assert "Traceback" not in result.output
 
 
 def test_malformed_record_is_one_line_and_exit_2(recipe):

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from chat_fixtures import write_jsonl
 
+from ligertune import hub
 from ligertune.data import prepare_data, read_conversations
-from ligertune.errors import DataError
+from ligertune.errors import DataError, EnvironmentFault
 from ligertune.recipe import DataConfig
 
 GOOD = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
@@ -179,7 +180,15 @@ def test_missing_and_unsupported_files(tmp_path):
         read_conversations(str(tmp_path / "train.txt"))
 
 
-def test_hub_names_go_through_datasets(monkeypatch):
+@pytest.fixture()
+def hub_online(monkeypatch):
+    """The hub answers (without asking it: tests use no network)."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(hub, "probe_hub", lambda: None)
+
+
+def test_hub_names_go_through_datasets(monkeypatch, hub_online):
     calls = []
 
     def load_dataset(name, split):
@@ -193,7 +202,7 @@ def test_hub_names_go_through_datasets(monkeypatch):
     assert result.bad == ["someone/chat-data[train]:row 2: missing `messages` (format messages)"]
 
 
-def test_hub_unreachable_or_datasets_missing(monkeypatch):
+def test_hub_unreachable_or_datasets_missing(monkeypatch, hub_online):
     def unreachable(name, split):
         raise ConnectionError("no route to host")
 

@@ -64,9 +64,11 @@ def test_drop_drops_too_long_conversations(tmp_path, chatml, long_conversation):
 
 def test_a_first_answer_too_long_is_dropped(tmp_path, chatml):
     messages = conversation(3, turns=2)["messages"]
-    path = write_jsonl(tmp_path / "train.jsonl", [{"messages": messages}])
-    data = prepare(config(path, max_seq_len=8, truncation="drop_turns"), chatml)
-    assert data.train == []
+    short = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}
+    path = write_jsonl(tmp_path / "train.jsonl", [{"messages": messages}, short])
+    max_seq_len = len(tokenize_conversation(chatml, short["messages"]))
+    data = prepare(config(path, max_seq_len=max_seq_len, truncation="drop_turns"), chatml)
+    assert [e.origin for e in data.train] == [f"{path}:2"]
     assert data.stats.dropped == {"too_long": 1}
 
 
@@ -122,12 +124,21 @@ def test_source_samples(chatml, two_sources):
     assert data.stats.train_conversations == 30
 
 
-def test_a_source_with_nothing_usable_cannot_give_samples(tmp_path, chatml, two_sources):
+def test_a_source_with_nothing_usable_is_named(tmp_path, chatml, two_sources):
     a, _ = two_sources
-    empty = write_jsonl(tmp_path / "empty.jsonl", [{"messages": [{"role": "user", "content": "Hi"}]}])
-    cfg = config(sources=[DataSource(path=str(a), samples=5), DataSource(path=str(empty), samples=5)])
-    with pytest.raises(DataError, match="empty.jsonl: no usable conversation to take 5 from"):
+    useless = write_jsonl(tmp_path / "useless.jsonl", [{"messages": [{"role": "user", "content": "Hi"}]}])
+    cfg = config(sources=[DataSource(path=str(a), samples=5), DataSource(path=str(useless), samples=5)])
+    with pytest.raises(DataError, match=r"useless.jsonl: no usable conversation among its 1 record "
+                                        r"\(no trained tokens: 1\)"):
         prepare(cfg, chatml)
+    # Without weights or samples too, and for the held-out file, and for an empty file.
+    with pytest.raises(DataError, match="useless.jsonl: no usable conversation"):
+        prepare(config(sources=[DataSource(path=str(a)), DataSource(path=str(useless))]), chatml)
+    with pytest.raises(DataError, match="useless.jsonl: no usable conversation"):
+        prepare(config(a, eval_path=str(useless)), chatml)
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(DataError, match=r"empty.jsonl: no records \(the file is empty\)"):
+        prepare(config(tmp_path / "empty.jsonl"), chatml)
 
 
 def test_eval_fraction_is_a_deterministic_disjoint_split(chatml, two_sources):

@@ -31,15 +31,19 @@ PUBLISHED_PARAMETERS = {
 }
 
 
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+
+
 @pytest.fixture
 def tokenizer_dir(tmp_path):
-    """A word-level tokenizer of 40 entries saved as a local directory."""
+    """A word-level chat tokenizer of 40 entries saved as a local directory."""
     vocab = {"<unk>": 0, "<pad>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(37)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="</s>"
     )
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(tmp_path / "tok")
     return tmp_path / "tok"
 

@@ -310,6 +310,25 @@ class TrainConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """Training on several processes (`torchrun` or `ligertune train --nproc N`); unused with one."""
+
+    strategy: Literal["auto", "fsdp", "ddp"] = _field(
+        "auto",
+        "`fsdp`: FSDP2 shards every decoder layer and the rest of the model over the processes (bf16 "
+        "compute over float32 weights on CUDA); `ddp`: each process holds the whole model; `auto`: fsdp.",
+    )
+    timeout_minutes: float = _field(
+        10.0, "How long a collective waits for the other processes before the run fails."
+    )
+
+    def check(self) -> list[tuple[str, str]]:
+        if not self.timeout_minutes > 0:
+            return [("timeout_minutes", f"must be > 0, got {self.timeout_minutes}")]
+        return []
+
+
+@dataclass
 class OutputConfig:
     """Where the run writes its files."""
 
@@ -330,6 +349,7 @@ class Recipe:
     lora: LoraConfig | None = _field(None, "LoRA adapters; absent or null trains every weight.")
     optim: OptimConfig = _field(doc="Optimizer and schedule.", factory=OptimConfig)
     train: TrainConfig = _field(doc="The training loop.", factory=TrainConfig)
+    distributed: DistributedConfig = _field(doc="Several processes.", factory=DistributedConfig)
     output: OutputConfig = _field(doc="Output files.", factory=OutputConfig)
     description: str | None = _field(None, "Free text shown by `ligertune recipes ls`.")
 

@@ -154,6 +154,8 @@ class WandbReporter:
         self.run.log(scalars, step=step)
 
     def close(self) -> None:
+        # The run is closed; the wandb-core service writes its last records to the offline log on
+        # its own time, at the latest when the process ends (`wandb.teardown()` waits for it).
         self.run.finish()
 
 

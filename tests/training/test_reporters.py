@@ -88,6 +88,11 @@ def test_wandb_offline_run_is_written_under_the_run_dir(tmp_path: Path, wandb_en
     for record in RECORDS:
         reporters.log(record)
     reporters.close()
+    import wandb
+
+    # finish() returns once the run is closed; the wandb-core service writes the log on its own
+    # time. Stopping the service (as the end of a process does) flushes it.
+    wandb.teardown()
     (offline,) = (run_dir / "wandb").glob("offline-run-*")
     assert reporter.run_path.resolve() == offline.resolve()
     (log,) = offline.glob("run-*.wandb")

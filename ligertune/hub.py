@@ -40,7 +40,11 @@ def meant_as_path(name: str, base: Path | None = None) -> bool:
     if not is_hub_id(name):
         return True
     path = Path(name)
-    roots = [Path.cwd()] + ([base] if base is not None else [])
+    roots = [base] if base is not None else []
+    try:
+        roots.append(Path.cwd())
+    except OSError:  # the current directory was removed
+        pass
     return any((root / path).exists() or (len(path.parts) > 1 and (root / path.parts[0]).exists())
                for root in roots)
 

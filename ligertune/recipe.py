@@ -336,6 +336,11 @@ class OutputConfig:
     overwrite: bool = _field(
         False, "Replace a run already in `dir` (finished or not): it is moved to `DIR.previous` first."
     )
+    report_to: list[str] = _field(
+        doc="Also send the metrics to `tensorboard` (event files in `dir/tensorboard`) and/or `wandb` "
+        "(offline unless logged in); each needs its extra: pip install 'ligertune[tensorboard]'.",
+        factory=list,
+    )
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 from pathlib import Path
@@ -49,8 +50,8 @@ def train(
     from ligertune.training.trainer import RunInterrupted
 
     overrides = list(set_ or [])
-    if output_dir is not None:
-        overrides.append(f"output.dir={output_dir}")
+    if output_dir is not None:  # quoted: a folder name is text, never YAML ("runs/#1", "[x]")
+        overrides.append(f"output.dir={json.dumps(str(output_dir))}")
     if max_steps is not None:
         overrides.append(f"train.max_steps={max_steps}")
     if checkpoint is not None and not resume:

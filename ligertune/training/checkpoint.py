@@ -255,3 +255,4 @@ class MetricsLog:
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
+            self._file = None

@@ -64,7 +64,7 @@ def summary_table(rows: list[tuple[str, str]], title: str = "run summary") -> Ta
     table.add_column(style="bold")
     table.add_column()
     for key, value in rows:
-        table.add_row(key, value)
+        table.add_row(key, Text(value))  # values echo paths: printed literally, never as markup
     return table
 
 

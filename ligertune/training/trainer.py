@@ -18,6 +18,7 @@ step was cut (docs/loss.md).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import resource
 import signal
@@ -82,7 +83,9 @@ from ligertune.training.checkpoint import (
     write_atomic_text,
 )
 from ligertune.training.display import TrainProgress, sample_table, summary_table
+from ligertune.plotting import plot_metrics
 from ligertune.training.loss_weights import step_token_weights
+from ligertune.training.reporters import Reporters, open_reporters
 from ligertune.training.resume import check_resumable, find_checkpoint, load_model_weights
 from ligertune.training.run_dir import RunLock, check_output_dir, claim_output_dir
 from ligertune.training.state import PackStream, RunState, capture_rng, restore_rng
@@ -183,6 +186,7 @@ class Run:
     state: RunState = field(default_factory=RunState)
     stream: PackStream | None = None
     lock: RunLock | None = None
+    reporters: Reporters | None = None
     topology: Topology = field(default_factory=Topology)
     engine: torch.nn.Module | None = None
     """What forward and backward go through: the head, or its data-parallel wrapper."""
@@ -302,7 +306,7 @@ def setup(recipe: Recipe, console: Console, *, resume: str | Path | None = None,
         if not topology.is_main:
             return None, MetricsLog(None)
         lock = claim_output_dir(output_dir, replace=recipe.output.overwrite and resume is None,
-                                notice=console.print)
+                                notice=lambda text: console.print(text, markup=False))
         try:
             remove_stale_temporaries(output_dir)
             write_atomic_text(output_dir / "recipe.yaml", dump_recipe(recipe))
@@ -313,10 +317,13 @@ def setup(recipe: Recipe, console: Console, *, resume: str | Path | None = None,
             raise UserError(f"output.dir: cannot write {output_dir}: {err.strerror or err}") from None
 
     lock, metrics = together(claim)
+    reporters = together(lambda: open_reporters(recipe.output.report_to, output_dir, recipe.to_dict())
+                         if topology.is_main and recipe.output.report_to else None)
     run = Run(
         recipe=recipe, device=device, console=console, tokenizer=tokenizer, model=model, head=head,
         optimizer=optimizer, scheduler=scheduler, data=data, total_steps=steps, output_dir=output_dir,
         metrics=metrics, meter=Throughput(device, clock), lock=lock, topology=topology, engine=engine,
+        reporters=reporters,
     )
     describe_run(run, mixed_precision or built.dtype, built.patches.describe() if built.patches else "none")
     if checkpoint is not None:
@@ -341,7 +348,7 @@ def restore(run: Run, checkpoint: Path, saved: dict) -> None:
     same_world = len(rngs) == run.topology.world_size
     restore_rng(rngs[run.topology.rank] if same_world else rngs[0])  # last: building drew from them
     run.console.print(f"resumed from {checkpoint} at step {run.state.step} "
-                      f"(epoch {run.state.epoch}, pack {run.state.index})")
+                      f"(epoch {run.state.epoch}, pack {run.state.index})", markup=False)
 
 
 def describe_run(run: Run, dtype: torch.dtype, patches: str) -> None:
@@ -509,8 +516,15 @@ def log(run: Run, stats: StepStats) -> dict | None:
         record["skipped"] = stats.skipped
     else:
         run.last_loss = stats.loss
-    run.metrics.write(record)
+    write_record(run, record)
     return record
+
+
+def write_record(run: Run, record: dict) -> None:
+    """One record to `metrics.jsonl` and to the reporters of `output.report_to` (rank 0)."""
+    run.metrics.write(record)
+    if run.reporters is not None:
+        run.reporters.log(record)
 
 
 def maybe_evaluate(run: Run, progress: TrainProgress) -> dict | None:
@@ -526,7 +540,7 @@ def evaluate_and_log(run: Run, progress: TrainProgress) -> dict:
         result = evaluate(run)
     step = run.state.step
     run.eval_losses.append((step, result["eval_loss"]))
-    run.metrics.write({"step": step, **result, "eval_s": timing["seconds"]})
+    write_record(run, {"step": step, **result, "eval_s": timing["seconds"]})
     progress.log(f"step {step}: eval loss {result['eval_loss']:.4f}, "
                  f"token accuracy {result['eval_token_accuracy']:.1%}")
     return result
@@ -569,7 +583,7 @@ def save(run: Run) -> Path:
                     torch.save(trainer_state, folder / TRAINER_STATE)
 
         path = save_checkpoint(run.output_dir, run.state.step, write, keep=run.recipe.train.keep_checkpoints)
-    run.metrics.write({"step": run.state.step, "checkpoint": str(path.relative_to(run.output_dir)),
+    write_record(run, {"step": run.state.step, "checkpoint": str(path.relative_to(run.output_dir)),
                        "save_s": timing["seconds"]})
     return path
 
@@ -638,6 +652,9 @@ def finish(run: Run) -> TrainResult:
     final_dir = write_atomic_dir(run.output_dir / "final", write)
     # A sharded model cannot generate on one rank; the sample is for single-process runs.
     sample = greedy_sample(run) if run.eval_examples and not run.topology.distributed else None
+    if run.topology.is_main and importlib.util.find_spec("matplotlib") is not None:
+        run.metrics.close()  # flushed and complete before it is read
+        plot_metrics(run.output_dir / "metrics.jsonl", run.output_dir / "loss.png")
     result = TrainResult(run.output_dir, final_dir, run.state.step, run.last_loss, run.eval_losses, sample,
                          skipped_steps=run.state.skipped_steps)
     show_summary(run, result)
@@ -646,6 +663,8 @@ def finish(run: Run) -> TrainResult:
 
 def cleanup(run: Run) -> None:
     run.metrics.close()
+    if run.reporters is not None:
+        run.reporters.close()
     if run.lock is not None:
         run.lock.release()
 

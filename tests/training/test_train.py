@@ -119,3 +119,19 @@ def test_same_seed_same_run(tmp_path: Path):
     assert a == b
     for p, q in zip(first.model.parameters(), second.model.parameters()):
         assert torch.equal(p, q)
+
+
+def test_a_run_sends_its_metrics_to_tensorboard_and_draws_its_loss(tmp_path: Path):
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("matplotlib")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    path = write_recipe(tmp_path, output={"report_to": ["tensorboard"]})
+    state, _ = run(path)
+    out = Path(state.recipe.output.dir)
+    assert (out / "loss.png").stat().st_size > 0
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    losses = [e.value for e in events.Scalars("train/loss")]
+    records = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert losses == pytest.approx(records)

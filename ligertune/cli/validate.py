@@ -11,14 +11,18 @@ from ligertune.cli.options import RecipeArg, SetOpt
 def validate(recipe: RecipeArg, set_: SetOpt = None) -> None:
     """Check a recipe, its data, tokenizer and model without training.
 
-    Checks the schema, that the data files are readable and well-formed, and that the tokenizer
-    and the model resolve (no weights are loaded).
+    Runs every check `ligertune train` runs before its first step: the schema, the output folder,
+    that the data files are readable and leave trainable conversations, that the tokenizer and the
+    model resolve, and that the LoRA adapters fit the model (no weights are loaded).
 
     Example: [bold]ligertune validate recipes/quickstart.yaml --set data.max_seq_len=512[/]
     """
-    from ligertune.data import prepare_data
+    from pathlib import Path
+
     from ligertune.models import check_model, load_tokenizer
     from ligertune.recipe import load_recipe
+    from ligertune.training.build import build_data, check_model_skeleton
+    from ligertune.training.run_dir import check_output_dir
 
     console = Console()
     loaded = load_recipe(recipe, list(set_ or []))
@@ -27,9 +31,14 @@ def validate(recipe: RecipeArg, set_: SetOpt = None) -> None:
     tokenizer = load_tokenizer(loaded.model)
     console.print(f"[green]ok[/] tokenizer {type(tokenizer).__name__}, {len(tokenizer)} tokens")
     console.print(f"[green]ok[/] model {escape(check_model(loaded.model, vocab_size=len(tokenizer)))}")
-    data = prepare_data(loaded.data, tokenizer, seed=loaded.train.seed, show_progress=False)
-    stats = data.stats
+    check_model_skeleton(loaded, vocab_size=len(tokenizer))
+    if loaded.lora is not None:
+        console.print(f"[green]ok[/] lora: r={loaded.lora.r} on {escape(str(loaded.lora.target_modules))}")
+    data = build_data(loaded, tokenizer, show_progress=False)
+    stats = data.prepared.stats
     console.print(
-        f"[green]ok[/] data: {len(data.train)} train and {len(data.eval)} eval conversations "
-        f"({stats.summary()})"
+        f"[green]ok[/] data: {len(data.train_examples)} train and {len(data.prepared.eval)} eval "
+        f"conversations, {len(data.train_packs)} packs ({stats.summary()})"
     )
+    check_output_dir(Path(loaded.output.dir), resume=False, overwrite=loaded.output.overwrite)
+    console.print(f"[green]ok[/] output {escape(loaded.output.dir)}")

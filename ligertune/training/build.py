@@ -210,3 +210,33 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, *, total_steps: int):
     """Linear warmup, then the recipe's decay, as a factor of `optim.lr` per optimizer step."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, total_steps, cfg))
+
+
+# --------------------------------------------------------------------------------------------------
+# checking without building
+
+
+def check_model_skeleton(recipe: Recipe, *, vocab_size: int | None) -> None:
+    """What `build_model` would refuse, found without loading a weight: a local model folder with no
+    weight files, and LoRA target modules the model lacks (the model's shapes are built on the meta
+    device, no memory, and wrapped)."""
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_cfg = recipe.model
+    source = model_cfg.name_or_path
+    if source is not None and Path(source).is_dir():
+        patterns = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+        if not any(next(Path(source).glob(p), None) for p in patterns):
+            raise UserError(f"model.name_or_path: {source} holds no model weights (*.safetensors, *.bin)")
+    if recipe.lora is None:
+        return
+    remote = model_cfg.trust_remote_code
+    if model_cfg.config is not None:
+        config = models.build_config(model_cfg.config, vocab_size=vocab_size, trust_remote_code=remote)
+    else:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=remote)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=remote)
+    wrap_lora(skeleton, recipe.lora)

@@ -61,6 +61,7 @@ def write_atomic_dir(target: Path, write: Callable[[Path], None]) -> Path:
     try:
         together(lambda: write(tmp))
         if main:
+            _follow_umask(tmp)
             _fsync_tree(tmp)
             if target.exists():
                 old = target.with_name(f".{target.name}.old-{os.getpid()}")
@@ -95,6 +96,14 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def _follow_umask(root: Path) -> None:
+    """Give every file the mode the umask sets: some writers (safetensors) create theirs private."""
+    mode = 0o666 & ~_umask()
+    for folder, _, files in os.walk(root):
+        for name in files:
+            os.chmod(os.path.join(folder, name), mode)
 
 
 def _fsync_tree(root: Path) -> None:

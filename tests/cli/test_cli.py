@@ -124,3 +124,25 @@ def test_every_bundled_recipe_validates(name: str):
     first = path.read_text().splitlines()[:3]
     assert first[0].startswith("# ligertune ") and f"recipes/{name}.yaml" in first[0]
     assert any("--set" in line for line in first if line.startswith("# ligertune "))
+
+
+def test_validate_refuses_what_train_would_refuse(tmp_path):
+    """LoRA targets the model lacks, a model folder without weights, an output folder holding a run."""
+    from typer.testing import CliRunner
+
+    from ligertune.cli.main import app
+    from tiny_recipe import QUICKSTART, write_recipe
+
+    path = write_recipe(tmp_path)
+    runner = CliRunner()
+    result = runner.invoke(app, ["validate", str(path), "--set", "lora.target_modules=[nope]"])
+    assert result.exit_code == 2 and "lora" in result.output and "nope" in result.output
+    empty = tmp_path / "model"
+    empty.mkdir()
+    (empty / "config.json").write_text('{"model_type": "llama", "vocab_size": 300}')
+    result = runner.invoke(app, ["validate", str(path), "--set", f"model.name_or_path={empty}",
+                                 "--set", "model.config=null", "--set", f"model.tokenizer={QUICKSTART / 'tokenizer'}"])
+    assert result.exit_code == 2 and "holds no model weights" in result.output
+    (tmp_path / "run" / "final").mkdir(parents=True)
+    result = runner.invoke(app, ["validate", str(path)])
+    assert result.exit_code == 2 and "already holds a finished run" in result.output

@@ -268,3 +268,19 @@ def test_a_second_ctrl_c_during_a_checkpoint_write_leaves_nothing_half_written(t
     folder = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in folder.iterdir()) == ["latest", "step-000002"]
     assert latest_checkpoint(tmp_path / "run").name == "step-000002"
+
+
+def test_run_files_follow_the_umask_and_a_failed_start_leaves_no_folder(tmp_path: Path):
+    previous = os.umask(0o022)
+    try:
+        path = write_recipe(tmp_path, train={"max_steps": 2, "save_every": 1, "eval_every": None})
+        finish(start(path))
+        out = tmp_path / "run"
+        for item in [out / "final", *(out / "final").iterdir(), *(out / "checkpoints" / "step-000001").iterdir()]:
+            expected = 0o755 if item.is_dir() else 0o644
+            assert item.stat().st_mode & 0o777 == expected, item
+        with pytest.raises(UserError):
+            start(path, f"output.dir={tmp_path / 'never'}", "data.path=missing.jsonl")
+        assert not (tmp_path / "never").exists()
+    finally:
+        os.umask(previous)

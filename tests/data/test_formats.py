@@ -13,7 +13,7 @@ from chat_fixtures import write_jsonl
 
 from ligertune import hub
 from ligertune.data import prepare_data, read_conversations
-from ligertune.errors import DataError, EnvironmentFault
+from ligertune.errors import DataError
 from ligertune.recipe import DataConfig
 
 GOOD = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import ligertune.kernels as K
-from ligertune.kernels import reference
 from ligertune.training.lion import Lion
 from kernel_testing import DEVICE, rel_err
 

@@ -56,9 +56,10 @@ def train(
         overrides.append(f"train.max_steps={max_steps}")
     if checkpoint is not None and not resume:
         raise UserError(f"{checkpoint}: a checkpoint to continue from goes with --resume")
-    if nproc > 1 and "RANK" not in os.environ:
+    command = ["train", str(recipe), *(f"--set={o}" for o in overrides)]
+    if nproc > 1 and "RANK" not in os.environ:  # not yet started by torchrun
         load_recipe(recipe, overrides)  # a mistake in the recipe is reported once, before any process starts
-        args = ["train", str(recipe), *(f"--set={o}" for o in overrides)]
+        args = list(command)
         if resume:
             args += ["--resume", *([str(checkpoint)] if checkpoint else [])]
         raise typer.Exit(launch(nproc, args))
@@ -66,8 +67,7 @@ def train(
     try:
         run_training(load_recipe(recipe, overrides), console=console,
                      resume=(checkpoint or "latest") if resume else None,
-                     resume_command=shlex.join(["ligertune", "train", str(recipe),
-                                                *(f"--set={o}" for o in overrides), "--resume"]))
+                     resume_command=shlex.join(["ligertune", *command, "--resume"]))
     except RunInterrupted as stop:
         if is_main_process():
             Console(stderr=True, highlight=False).print(str(stop), markup=False)

@@ -19,6 +19,7 @@ import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -29,7 +30,15 @@ from ligertune.data import Pack, PreparedData, TokenizedExample, pack, prepare_d
 from ligertune.devices import resolve_device, resolve_dtype
 from ligertune.errors import UserError
 from ligertune.models import CausalLMLoss, PatchReport, patch_model
-from ligertune.recipe import DataConfig, KernelsConfig, LoraConfig, LossConfig, OptimConfig, Recipe, TrainConfig
+from ligertune.recipe import (
+    DataConfig,
+    KernelsConfig,
+    LoraConfig,
+    LossConfig,
+    OptimConfig,
+    Recipe,
+    TrainConfig,
+)
 from ligertune.training.optim import lr_multiplier
 
 
@@ -220,8 +229,6 @@ def check_model_skeleton(recipe: Recipe, *, vocab_size: int | None) -> None:
     """What `build_model` would refuse, found without loading a weight: a local model folder with no
     weight files, and LoRA target modules the model lacks (the model's shapes are built on the meta
     device, no memory, and wrapped)."""
-    from pathlib import Path
-
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_cfg = recipe.model

@@ -56,13 +56,11 @@ def write_atomic_dir(target: Path, write: Callable[[Path], None]) -> Path:
     if main:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; a run's folders follow the umask
     tmp = Path(broadcast_from_main(str(tmp)))
     try:
         together(lambda: write(tmp))
         if main:
-            _follow_umask(tmp)
-            _fsync_tree(tmp)
+            _settle_tree(tmp)
             if target.exists():
                 old = target.with_name(f".{target.name}.old-{os.getpid()}")
                 os.replace(target, old)
@@ -98,18 +96,16 @@ def _umask() -> int:
     return mask
 
 
-def _follow_umask(root: Path) -> None:
-    """Give every file the mode the umask sets: some writers (safetensors) create theirs private."""
-    mode = 0o666 & ~_umask()
+def _settle_tree(root: Path) -> None:
+    """Give every folder and file the mode the umask sets (mkdtemp and some writers, safetensors
+    among them, create theirs private), and fsync each, so the rename publishes complete files."""
+    mask = _umask()
     for folder, _, files in os.walk(root):
+        os.chmod(folder, 0o777 & ~mask)
         for name in files:
-            os.chmod(os.path.join(folder, name), mode)
-
-
-def _fsync_tree(root: Path) -> None:
-    for folder, _, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            path = os.path.join(folder, name)
+            os.chmod(path, 0o666 & ~mask)
+            fd = os.open(path, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
@@ -134,17 +130,12 @@ def _fsync_dir(path: Path) -> None:
 # checkpoints
 
 
-def save_model(target: Path, model: Any, tokenizer: Any, *, state_dict: dict | None = None) -> Path:
-    """`save_pretrained` of the model (or of its peft adapters) and the tokenizer, atomically.
-
+def save_pretrained(folder: Path, model: Any, tokenizer: Any, *, state_dict: dict | None = None) -> None:
+    """The model (or its peft adapters) and the tokenizer in Hugging Face format, written by rank 0;
     `state_dict` is the whole model's, gathered on rank 0 from a sharded model."""
-
-    def write(tmp: Path) -> None:
-        if is_main_process():
-            model.save_pretrained(tmp, **({"state_dict": state_dict} if state_dict is not None else {}))
-            tokenizer.save_pretrained(tmp)
-
-    return write_atomic_dir(target, write)
+    if is_main_process():
+        model.save_pretrained(folder, **({"state_dict": state_dict} if state_dict is not None else {}))
+        tokenizer.save_pretrained(folder)
 
 
 def checkpoint_name(step: int) -> str:
@@ -193,7 +184,7 @@ def point_latest(folder: Path, name: str) -> None:
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The checkpoint `latest` points at, if it is complete."""
     link = run_dir / CHECKPOINTS / LATEST
-    if not link.is_symlink() and not link.exists():
+    if not link.is_symlink():
         return None
     target = link.resolve()
     return target if (target / TRAINER_STATE).is_file() else None

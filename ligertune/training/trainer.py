@@ -27,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ligertune.data import IGNORE_INDEX, Batch, Pack, PaddedBatch, TokenizedExample, collate, collate_padded
-from ligertune.devices import resolve_dtype, synchronize
+from ligertune.devices import resolve_dtype
 from ligertune.distributed import (
     Topology,
     all_reduce_max,
@@ -59,6 +59,7 @@ from ligertune.distributed import (
 from ligertune.errors import EnvironmentFault, UserError
 from ligertune.kernels import active_path
 from ligertune.models import CausalLMLoss, decoder_of, load_tokenizer
+from ligertune.plotting import plot_metrics
 from ligertune.recipe import Recipe, dump_recipe
 from ligertune.training.build import (
     TrainingData,
@@ -73,24 +74,23 @@ from ligertune.training.build import (
 )
 from ligertune.training.checkpoint import (
     OPTIMIZER,
+    TRAINER_STATE,
     MetricsLog,
     latest_checkpoint,
     load_trainer_state,
     remove_stale_temporaries,
-    TRAINER_STATE,
     save_checkpoint,
+    save_pretrained,
     write_atomic_dir,
     write_atomic_text,
 )
 from ligertune.training.display import TrainProgress, sample_table, summary_table
-from ligertune.plotting import plot_metrics
 from ligertune.training.loss_weights import step_token_weights
 from ligertune.training.reporters import Reporters, open_reporters
 from ligertune.training.resume import check_resumable, find_checkpoint, load_model_weights
 from ligertune.training.run_dir import RunLock, check_output_dir, claim_output_dir
 from ligertune.training.state import PackStream, RunState, capture_rng, restore_rng
-
-Clock = Callable[[], float]
+from ligertune.training.throughput import Clock, Throughput
 
 
 @dataclass
@@ -123,49 +123,6 @@ class StepStats:
     """Why the update was dropped ("nonfinite"), or None."""
 
 
-class Throughput:
-    """Tokens per second over a logging window.
-
-    Wall clock with the device synchronized at both ends of the window (so the GPU's queued work is
-    counted, not the host's launching of it), minus the time spent in evaluation and checkpoints,
-    which is measured apart (`excluded`).
-    """
-
-    def __init__(self, device: torch.device, clock: Clock = time.perf_counter):
-        self.device, self.clock = device, clock
-        self.start()
-
-    def start(self) -> None:
-        synchronize(self.device)
-        self._start, self._excluded = self.clock(), 0.0
-        self.real_tokens = self.trained_tokens = 0
-
-    def add(self, real_tokens: int, trained_tokens: int) -> None:
-        self.real_tokens += real_tokens
-        self.trained_tokens += trained_tokens
-
-    @contextlib.contextmanager
-    def excluded(self) -> Iterator[dict]:
-        """Time the block apart from the window; its seconds land in the yielded dict's `seconds`."""
-        synchronize(self.device)
-        began = self.clock()
-        timing: dict = {}
-        try:
-            yield timing
-        finally:
-            synchronize(self.device)
-            timing["seconds"] = self.clock() - began
-            self._excluded += timing["seconds"]
-
-    def lap(self) -> tuple[float, float]:
-        """(real tokens/s, trained tokens/s) of the window so far; a new window starts."""
-        synchronize(self.device)
-        elapsed = max(self.clock() - self._start - self._excluded, 1e-9)
-        rates = self.real_tokens / elapsed, self.trained_tokens / elapsed
-        self.start()
-        return rates
-
-
 @dataclass
 class Run:
     """Everything `setup` builds for the loop, and the run's state."""
@@ -193,20 +150,19 @@ class Run:
     last_loss: float | None = None
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     resume_command: str = "ligertune train RECIPE --resume"
+    trainable: list[torch.nn.Parameter] = field(init=False)
+    """The parameters the optimizer updates (listed once: the step clips them every time)."""
 
     def __post_init__(self) -> None:
         if self.stream is None:
             self.stream = PackStream(self.data.train_packs, self.recipe.train.seed)
         if self.engine is None:
             self.engine = self.head
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
 
     @property
     def eval_examples(self) -> list[TokenizedExample]:
         return self.data.eval_examples
-
-    @property
-    def trainable(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad]
 
 
 class RunInterrupted(Exception):
@@ -277,7 +233,7 @@ def setup(recipe: Recipe, console: Console, *, resume: str | Path | None = None,
     checkpoint, saved = together(find)
     torch.manual_seed(cfg.seed)
     mixed_precision = None
-    if topology.distributed and device.type == "cuda" and strategy(recipe, topology) == "fsdp":
+    if topology.distributed and device.type == "cuda" and strategy(recipe) == "fsdp":
         # bf16 (or fp16) compute over float32 master weights, sharded.
         mixed_precision = resolve_dtype(recipe.model.dtype, device)
         mixed_precision = None if mixed_precision == torch.float32 else mixed_precision
@@ -296,7 +252,7 @@ def setup(recipe: Recipe, console: Console, *, resume: str | Path | None = None,
     head = build_head(model, recipe.kernels, recipe.loss)
     engine = head
     if topology.distributed:
-        engine = shard(head, decoder_of(model).layers, strategy=strategy(recipe, topology), device=device,
+        engine = shard(head, decoder_of(model).layers, strategy=strategy(recipe), device=device,
                        mixed_precision=mixed_precision)
     optimizer = build_optimizer(model, recipe.optim)
     steps = total_steps(cfg, len(data.train_packs), topology.world_size)
@@ -331,7 +287,7 @@ def setup(recipe: Recipe, console: Console, *, resume: str | Path | None = None,
     return run
 
 
-def strategy(recipe: Recipe, topology: Topology) -> str:
+def strategy(recipe: Recipe) -> str:
     """How several processes share the model: `distributed.strategy`, `auto` being FSDP."""
     return "ddp" if recipe.distributed.strategy == "ddp" else "fsdp"
 
@@ -371,7 +327,7 @@ def describe_run(run: Run, dtype: torch.dtype, patches: str) -> None:
         f"{run.total_steps} step{'s' * (run.total_steps != 1)} of {per_step} pack{'s' * (per_step != 1)}"
     )
     if run.topology.distributed:
-        run.console.print(f"processes: {run.topology.world_size}, {strategy(recipe, run.topology)}, "
+        run.console.print(f"processes: {run.topology.world_size}, {strategy(recipe)}, "
                           f"{packs_per_step(recipe.train)} packs each per step")
 
 
@@ -430,10 +386,10 @@ def train_loop(run: Run, stop: StopSignals | None = None) -> TrainResult:
 def stop_requested(run: Run, stop: StopSignals | None) -> int:
     """The signal that asks the run to stop (0 for none), the same on every rank: a rank that got
     it tells the others, so that all stop after the same step."""
-    requested = torch.tensor(float(stop.requested or 0) if stop is not None else 0.0)
+    requested = (stop.requested or 0) if stop is not None else 0
     if run.topology.distributed:
-        requested = all_reduce_max(requested.to(run.device))
-    return int(requested.item())
+        requested = int(all_reduce_max(torch.tensor(float(requested), device=run.device)).item())
+    return requested
 
 
 def next_batches(run: Run) -> list[Batch | PaddedBatch]:
@@ -578,8 +534,8 @@ def save(run: Run) -> Path:
             with written(run, "checkpoint"):
                 dcp.save({"optimizer": optimizer_state}, checkpoint_id=folder / OPTIMIZER,
                          no_dist=not run.topology.distributed)
+                save_pretrained(folder, run.model, run.tokenizer, state_dict=model_state)
                 if run.topology.is_main:
-                    save_pretrained(run, folder, model_state)
                     torch.save(trainer_state, folder / TRAINER_STATE)
 
         path = save_checkpoint(run.output_dir, run.state.step, write, keep=run.recipe.train.keep_checkpoints)
@@ -596,13 +552,6 @@ def gathered_model_state(run: Run) -> dict | None:
     state = get_model_state_dict(run.head, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     prefix = "model."  # the head holds the model as `self.model`
     return {k[len(prefix):]: v for k, v in state.items()} if run.topology.is_main else None
-
-
-def save_pretrained(run: Run, folder: Path, model_state: dict | None) -> None:
-    """The model (or its LoRA adapters) and the tokenizer in Hugging Face format, on rank 0."""
-    options = {"state_dict": model_state} if model_state is not None else {}
-    run.model.save_pretrained(folder, **options)
-    run.tokenizer.save_pretrained(folder)
 
 
 def load_optimizer_state(run: Run, folder: Path) -> None:
@@ -646,8 +595,7 @@ def finish(run: Run) -> TrainResult:
 
     def write(folder: Path) -> None:
         with written(run, "final model"):
-            if run.topology.is_main:
-                save_pretrained(run, folder, model_state)
+            save_pretrained(folder, run.model, run.tokenizer, state_dict=model_state)
 
     final_dir = write_atomic_dir(run.output_dir / "final", write)
     # A sharded model cannot generate on one rank; the sample is for single-process runs.

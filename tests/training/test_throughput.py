@@ -7,12 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 from rich.console import Console
+from tiny_recipe import write_recipe
 
 import ligertune.training.trainer as trainer_module
 from ligertune.recipe import load_recipe
 from ligertune.training.checkpoint import read_metrics
-from ligertune.training.trainer import Throughput, cleanup, evaluate, setup, train_loop
-from tiny_recipe import write_recipe
+from ligertune.training.throughput import Throughput
+from ligertune.training.trainer import cleanup, evaluate, setup, train_loop
 
 
 class FakeClock:

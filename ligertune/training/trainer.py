@@ -25,6 +25,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -532,8 +533,9 @@ def save(run: Run) -> Path:
 
         def write(folder: Path) -> None:
             with written(run, "checkpoint"):
-                dcp.save({"optimizer": optimizer_state}, checkpoint_id=folder / OPTIMIZER,
-                         no_dist=not run.topology.distributed)
+                with one_process_is_intended():
+                    dcp.save({"optimizer": optimizer_state}, checkpoint_id=folder / OPTIMIZER,
+                             no_dist=not run.topology.distributed)
                 save_pretrained(folder, run.model, run.tokenizer, state_dict=model_state)
                 if run.topology.is_main:
                     torch.save(trainer_state, folder / TRAINER_STATE)
@@ -557,8 +559,18 @@ def gathered_model_state(run: Run) -> dict | None:
 def load_optimizer_state(run: Run, folder: Path) -> None:
     """The optimizer state of a checkpoint, resharded to this run's processes."""
     state = {"optimizer": get_optimizer_state_dict(run.head, run.optimizer)}
-    dcp.load(state, checkpoint_id=folder, no_dist=not run.topology.distributed)
+    with one_process_is_intended():
+        dcp.load(state, checkpoint_id=folder, no_dist=not run.topology.distributed)
     set_optimizer_state_dict(run.head, run.optimizer, state["optimizer"])
+
+
+@contextlib.contextmanager
+def one_process_is_intended() -> Iterator[None]:
+    """`torch.distributed.checkpoint` warns whenever it runs without a process group, even when
+    asked to; a run of one process asks to."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 @contextlib.contextmanager

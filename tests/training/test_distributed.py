@@ -37,6 +37,16 @@ def ligertune(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
+def train_in_one_process(path: Path, *overrides: str, resume=None):
+    """A whole run in this process; the finished run."""
+    run = setup(load_recipe(path, list(overrides)), Console(quiet=True), resume=resume)
+    try:
+        train_loop(run)
+    finally:
+        cleanup(run)
+    return run
+
+
 def test_split_packs_gives_each_rank_as_many_packs_with_balanced_tokens():
     lengths = [100, 90, 80, 10, 10, 5, 3, 2]
     shares = split_packs(lengths, 2, length=lambda n: n)
@@ -92,18 +102,9 @@ def test_two_process_runs_train_save_resume_and_reload_as_one(tmp_path: Path):
     one_from_two = tmp_path / "one-from-two"
     (one_from_two / "checkpoints").mkdir(parents=True)
     os.symlink(two / "checkpoints" / "step-000002", one_from_two / "checkpoints" / "step-000002")
-    resumed = setup(load_recipe(path, [f"output.dir={one_from_two}", "train.grad_accum_steps=2"]),
-                    Console(quiet=True), resume=two / "checkpoints" / "step-000002")
-    try:
-        train_loop(resumed)
-    finally:
-        cleanup(resumed)
-    straight = setup(load_recipe(path, [f"output.dir={tmp_path / 'one'}", "train.grad_accum_steps=2"]),
-                     Console(quiet=True))
-    try:
-        train_loop(straight)
-    finally:
-        cleanup(straight)
+    train_in_one_process(path, f"output.dir={one_from_two}", "train.grad_accum_steps=2",
+                         resume=two / "checkpoints" / "step-000002")
+    straight = train_in_one_process(path, f"output.dir={tmp_path / 'one'}", "train.grad_accum_steps=2")
 
     def train_records(run_dir: Path) -> list[dict]:
         return [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
@@ -137,12 +138,7 @@ def test_lora_adapters_of_a_two_process_run_reload_with_peft(tmp_path: Path):
     assert result.returncode == 0, result.stderr[-3000:]
     final = tmp_path / "run" / "final"
     assert (final / "adapter_model.safetensors").exists()
-    straight = setup(load_recipe(path, [f"output.dir={tmp_path / 'one'}", "train.grad_accum_steps=2"]),
-                     Console(quiet=True))
-    try:
-        train_loop(straight)
-    finally:
-        cleanup(straight)
+    straight = train_in_one_process(path, f"output.dir={tmp_path / 'one'}", "train.grad_accum_steps=2")
     ids = torch.tensor([straight.eval_examples[0].input_ids])
     logits = {}
     for name, folder in (("two", final), ("one", tmp_path / "one" / "final")):

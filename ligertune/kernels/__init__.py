@@ -75,8 +75,6 @@ def lion_step(params, grads, moments, *, lr: float, beta1: float = 0.9, beta2: f
               weight_decay: float = 0.0) -> None:
     """One Lion step in place over lists of tensors on one device (params, their grads, momenta);
     see `reference.lion_step`. The Triton path updates all of them in one launch per dtype pair."""
-    if params and active_path(params[0].device) == "triton":
-        from ligertune.kernels.lion import lion_step as impl
-    else:
-        from ligertune.kernels.reference import lion_step as impl
+    device = params[0].device if params else None
+    impl = _impl("lion_step", device)
     impl(params, grads, moments, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)

@@ -115,13 +115,10 @@ def _launch(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
     moments: list[torch.Tensor],
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
+    scalars: tuple[float, float, float, float],
 ) -> None:
-    """One launch over contiguous, non-empty tensors of one (param, momentum) dtype pair."""
+    """One launch over contiguous, non-empty tensors of one (param, momentum) dtype pair; `scalars`
+    are the kernel's (lr, decay, w1, w2)."""
     # Plain integer division: triton.cdiv is a constexpr function, costly to call per tensor from the host.
     blocks = [(p.numel() + BLOCK - 1) // BLOCK for p in params]
     first_blocks = [0]
@@ -133,9 +130,7 @@ def _launch(
     ).view(_TABLE_ROWS, len(params))
     table = to_device(table, params[0].device)
     _lion_kernel[(sum(blocks),)](
-        table, len(params),
-        # Scalars folded on the host in float64, then passed as float32.
-        lr, 1.0 - lr * weight_decay, 1.0 - beta1, 1.0 - beta2,
+        table, len(params), *scalars,
         P_DTYPE=_TL_DTYPES[params[0].dtype],
         M_DTYPE=_TL_DTYPES[moments[0].dtype],
         ALIGNED=all(a % ALIGNMENT == 0 for a in addresses),
@@ -174,7 +169,9 @@ def lion_step(
         ps.append(p_flat)
         gs.append(g.contiguous())
         ms.append(m_flat)
+    # Folded on the host in float64, then passed as float32.
+    scalars = (lr, 1.0 - lr * weight_decay, 1.0 - beta1, 1.0 - beta2)
     for ps, gs, ms in buckets.values():
-        _launch(ps, gs, ms, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
+        _launch(ps, gs, ms, scalars)
     for t, flat in write_back:
         t.copy_(flat)

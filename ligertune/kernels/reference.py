@@ -298,10 +298,11 @@ def lion_step(
 
     except that sign(c) is NaN where c is not finite (torch.sign(NaN) is 0, which would freeze an
     element that saw a NaN gradient, its momentum NaN for good, without a trace; this way p turns NaN
-    and the loss shows it). The arithmetic is float32 whatever the storage (parameters and gradients float32, bfloat16 or
-    float16, one dtype per pair; momentum float32 or the parameter's dtype), rounded once into each
-    stored tensor. The `torch._foreach_*` ops take all tensors of a call at once, so this is also a
-    reasonable CPU path; low-precision tensors go through float32 copies (transient memory of that size).
+    and the loss shows it). The arithmetic is float32 whatever the storage (parameters and gradients
+    float32, bfloat16 or float16, one dtype per pair; momentum float32 or the parameter's dtype),
+    rounded once into each stored tensor. The `torch._foreach_*` ops take all tensors of a call at
+    once, so this is also a reasonable CPU path; low-precision tensors go through float32 copies
+    (transient memory of that size).
     """
     check_lion_args(params, grads, moments, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
     if not params:

@@ -46,9 +46,9 @@ class Lion(torch.optim.Optimizer):
     smaller than AdamW's and its weight decay 3-10x larger (the paper's section 5).
 
     Param groups take `lr`, `betas` and `weight_decay`. Parameters whose `grad` is None are skipped
-    (no state is created for them). `step()` calls `lion_step` once per (device, dtype) of each
-    group, which is one Triton launch on CUDA. DTensor parameters (FSDP2) are updated through their
-    local shards.
+    (no state is created for them). `step()` calls `lion_step` once per device of each group,
+    which is one Triton launch per parameter dtype on CUDA. DTensor parameters (FSDP2) are updated
+    through their local shards.
     """
 
     def __init__(
@@ -73,7 +73,8 @@ class Lion(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            buckets: dict[tuple[torch.device, torch.dtype], tuple[list, list, list]] = {}
+            # By device only: `lion_step` takes mixed dtypes and groups them into launches itself.
+            buckets: dict[torch.device, tuple[list, list, list]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -85,7 +86,7 @@ class Lion(torch.optim.Optimizer):
                         p, dtype=MOMENTUM_DTYPE, memory_format=torch.contiguous_format
                     )
                 param = _local(p)
-                params, grads, moments = buckets.setdefault((param.device, param.dtype), ([], [], []))
+                params, grads, moments = buckets.setdefault(param.device, ([], [], []))
                 params.append(param)
                 grads.append(_local(p.grad))
                 moments.append(_local(state["exp_avg"]))

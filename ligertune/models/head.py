@@ -19,11 +19,10 @@ from torch import nn
 
 from ligertune import kernels
 from ligertune.kernels import LossOutput
+from ligertune.kernels.chunked_loss import FLCE_REDUCTIONS
 from ligertune.kernels.reference import cross_entropy_rows
 from ligertune.models.attention import packed_attention_kwargs
 from ligertune.models.unwrap import decoder_of, output_head_of, plain_projection, unwrap_model
-
-REDUCTIONS = ("sum", "mean", "none")
 
 
 def causal_lm_loss_from_logits(
@@ -52,8 +51,8 @@ def causal_lm_loss_from_logits(
     formula is the fused loss's own, `ligertune.kernels.reference.cross_entropy_rows`, here under
     autograd (the logits may come from any output layer, such as a LoRA-adapted one).
     """
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}; got {reduction!r}")
+    if reduction not in FLCE_REDUCTIONS:
+        raise ValueError(f"reduction must be one of {FLCE_REDUCTIONS}; got {reduction!r}")
     supervised = targets != ignore_index
     y = torch.where(supervised, targets, 0).long()
     loss, z_part, _, z = cross_entropy_rows(

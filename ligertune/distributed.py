@@ -225,9 +225,14 @@ def full_tensor(value: torch.Tensor) -> torch.Tensor:
 def launch(nproc: int, args: list[str]) -> int:
     """Run `python -m ligertune ARGS` in `nproc` processes on this machine through
     `torch.distributed.run` (what `torchrun --standalone --nproc_per_node N` does); the exit code of
-    the first process that failed, else 0."""
+    the first process that failed, else 0.
+
+    torch's agent passes SIGINT and SIGTERM on to the processes, which finish the step, save and exit
+    130 or 143; it waits `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` seconds for them before killing them, 10
+    minutes here (its default, 30 s, is shorter than saving a large model takes)."""
     import logging
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -235,6 +240,7 @@ def launch(nproc: int, args: list[str]) -> int:
     # the workers print their errors, and the exit code says the rest.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")
     parsed = get_args_parser().parse_args(
         ["--standalone", "--nproc_per_node", str(nproc), "--module", "ligertune", *args]
     )
@@ -243,4 +249,6 @@ def launch(nproc: int, args: list[str]) -> int:
     except ChildFailedError as err:
         codes = [failure.exitcode for _, failure in sorted(err.failures.items())]
         return next((c for c in codes if c and c > 0), 1)
+    except SignalException as err:  # the agent stopped the processes on this signal
+        return 128 + int(err.sigval)
     return 0

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 
 from ligertune.cli.options import RecipeArg, SetOpt
-from ligertune.distributed import is_main_process, launch
+from ligertune.distributed import is_main_process, launch, topology_from_environment
 from ligertune.errors import UserError
 
 
@@ -56,18 +56,26 @@ def train(
         overrides.append(f"train.max_steps={max_steps}")
     if checkpoint is not None and not resume:
         raise UserError(f"{checkpoint}: a checkpoint to continue from goes with --resume")
-    command = ["train", str(recipe), *(f"--set={o}" for o in overrides)]
+    # This command as the user gave it, less --nproc and --resume: what each process runs, and what
+    # the resume line printed on Ctrl-C repeats. (No --nproc for the processes: torchrun's own
+    # parser would take it for an abbreviation of --nproc-per-node.)
+    command = ["train", str(recipe), *(arg for o in set_ or [] for arg in ("--set", o))]
+    if output_dir is not None:
+        command += ["-o", str(output_dir)]
+    if max_steps is not None:
+        command += ["--max-steps", str(max_steps)]
+    processes = topology_from_environment().world_size if "RANK" in os.environ else nproc
+    resume_command = shlex.join(["ligertune", *command, *(["--nproc", str(processes)] if processes > 1 else []),
+                                 "--resume"])
     if nproc > 1 and "RANK" not in os.environ:  # not yet started by torchrun
         load_recipe(recipe, overrides)  # a mistake in the recipe is reported once, before any process starts
-        args = list(command)
-        if resume:
-            args += ["--resume", *([str(checkpoint)] if checkpoint else [])]
-        raise typer.Exit(launch(nproc, args))
+        resuming = ["--resume", *([str(checkpoint)] if checkpoint else [])] if resume else []
+        raise typer.Exit(launch(nproc, [*command, *resuming]))
     console = Console()
     try:
         run_training(load_recipe(recipe, overrides), console=console,
                      resume=(checkpoint or "latest") if resume else None,
-                     resume_command=shlex.join(["ligertune", *command, "--resume"]))
+                     resume_command=resume_command)
     except RunInterrupted as stop:
         if is_main_process():
             Console(stderr=True, highlight=False).print(str(stop), markup=False)

@@ -35,6 +35,7 @@ from transformers import GenerationConfig, TextStreamer
 from ligertune.devices import resolve_device, resolve_dtype
 from ligertune.errors import UserError
 from ligertune.recipe import ModelConfig, Recipe
+from ligertune.training.checkpoint import CHECKPOINTS, checkpoint_steps
 
 ADAPTER_CONFIG = "adapter_config.json"
 MODEL_CONFIG = "config.json"
@@ -109,14 +110,12 @@ def _run_of(model_dir: Path) -> Path | None:
     """The run directory: the folder itself, its parent (final/) or its grandparent (checkpoints/step-N)."""
     parent = Path(os.path.normpath(model_dir / ".."))  # `..` of `.` too, and relative paths stay relative
     candidates = [model_dir, parent]
-    if parent.resolve().name == "checkpoints":
+    if parent.resolve().name == CHECKPOINTS:
         candidates.append(Path(os.path.normpath(parent / "..")))
     return next((c for c in candidates if _is_run(c)), None)
 
 
 def _checkpoint_hint(run_dir: Path) -> str:
-    from ligertune.training.checkpoint import CHECKPOINTS, checkpoint_steps
-
     steps = [path for _, path in checkpoint_steps(run_dir / CHECKPOINTS) if _holds_model(path)]
     if not steps:
         return " (still training, or stopped before saving one)"

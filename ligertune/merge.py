@@ -12,17 +12,17 @@ compared with those of base + adapters: a merge that does not reproduce them is 
 
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ligertune.devices import DTYPES, resolve_device
+from ligertune.devices import DTYPES, release_memory, resolve_device, resolve_dtype
 from ligertune.errors import UserError
 from ligertune.inference import (
     MODEL_CONFIG,
     ModelSource,
+    base_model_config,
     load_base_with_adapters,
     load_full_model,
     load_tokenizer_for,
@@ -32,7 +32,7 @@ from ligertune.inference import (
 )
 from ligertune.numerics import relative_error
 from ligertune.recipe import ModelConfig
-from ligertune.training.checkpoint import write_atomic_dir
+from ligertune.training.checkpoint import CHECKPOINTS, write_atomic_dir
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 """Largest relative error ||merged - reference|| / ||reference|| of the check logits, per output
@@ -65,10 +65,14 @@ class MergeReport:
     replaced: bool
     """An earlier merged model was at `output_dir` and was replaced."""
 
+    @property
+    def dtype_name(self) -> str:
+        return _name(self.dtype)
+
     def to_dict(self) -> dict:
         return {
             "output_dir": str(self.output_dir), "source": str(self.source.model_dir),
-            "dtype": str(self.dtype).removeprefix("torch."), "tokens_checked": self.tokens_checked,
+            "dtype": self.dtype_name, "tokens_checked": self.tokens_checked,
             "rel_error": self.rel_error, "tolerance": self.tolerance,
             "adapters_effect": self.adapters_effect, "replaced": self.replaced,
         }
@@ -80,7 +84,7 @@ def default_output_dir(source: ModelSource) -> Path:
     if source.run_dir is None:
         return source.model_dir.with_name(f"{source.model_dir.name}-merged")
     resolved = source.model_dir.resolve()  # checkpoints/latest is a link to checkpoints/step-N
-    if resolved.parent.name == "checkpoints":
+    if resolved.parent.name == CHECKPOINTS:
         return source.run_dir / f"merged-{resolved.name}"
     return source.run_dir / "merged"
 
@@ -94,9 +98,10 @@ def merge_adapters(
 ) -> MergeReport:
     """Merge the LoRA adapters of a run or checkpoint into their base; write a standalone model.
 
-    `dtype` is the dtype of the written weights: `auto` keeps the base model's own (a pretrained
-    base's checkpoint dtype, else the recipe's `model.dtype`, else float32). Raises `UserError` for
-    a path without adapters and `MergeCheckError` when the check fails (nothing is written then).
+    `dtype` is the dtype of the written weights: `auto` keeps the base model's own (the recipe's
+    `model.dtype` when set, else a pretrained base's checkpoint dtype, else float32). Raises
+    `UserError` for a path without adapters and `MergeCheckError` when the check fails (nothing is
+    written then).
     """
     source = locate_model(path)
     if not source.adapters:
@@ -104,10 +109,10 @@ def merge_adapters(
             f"{path}: no LoRA adapters to merge: {source.model_dir} holds a whole model "
             "(a full fine-tune), which already loads with from_pretrained"
         )
-    if dtype != "auto" and dtype not in DTYPES:
-        raise UserError(f"--dtype: must be auto, bf16, fp16 or fp32, got {dtype!r}")
     torch_device = resolve_device(device, key="--device")
+    requested = None if dtype == "auto" else resolve_dtype(dtype, torch_device, key="--dtype")
     recipe = run_recipe(source)
+    out_dtype = _output_dtype(requested, base_model_config(source, recipe)[0])
     target = Path(output).expanduser() if output is not None else default_output_dir(source)
     replaced = _check_output(target, source)
     tokenizer = load_tokenizer_for(source, recipe)
@@ -116,7 +121,6 @@ def merge_adapters(
     # rounded once, when the weights are cast.
     model = load_base_with_adapters(source, device=torch_device, dtype=torch.float32, tokenizer=tokenizer,
                                     recipe=recipe)
-    out_dtype = _output_dtype(dtype, model.get_base_model().config, recipe.model if recipe else None)
     input_ids = check_input_ids(tokenizer).to(torch_device)
     with torch.no_grad():
         reference = model(input_ids=input_ids).logits.float()
@@ -134,33 +138,32 @@ def merge_adapters(
     if tokenizer.pad_token_id is not None:
         merged.generation_config.pad_token_id = tokenizer.pad_token_id
     remote = recipe.model.trust_remote_code if recipe is not None else False
-    checked: dict[str, float] = {}
+    tolerance = TOLERANCE[out_dtype]
+    rel_error = float("nan")
 
     def write(tmp: Path) -> None:
-        nonlocal merged
+        nonlocal merged, rel_error
         merged.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         merged = None
-        gc.collect()
+        release_memory(torch_device)
         # What a user will load, read back from disk; upcast so that the check sees only the
         # rounding of the written weights.
         reloaded = load_full_model(tmp, device=torch_device, dtype=torch.float32, trust_remote_code=remote)
         with torch.no_grad():
             logits = reloaded(input_ids=input_ids).logits.float()
-        checked["error"] = relative_error(logits, reference)
-        tolerance = TOLERANCE[out_dtype]
-        if not checked["error"] <= tolerance:  # NaN fails too
+        rel_error = relative_error(logits, reference)
+        if not rel_error <= tolerance:  # NaN fails too
             raise MergeCheckError(
                 f"the merged model does not reproduce base + adapters: logits differ by "
-                f"{checked['error']:.2e} relative (tolerance {tolerance:.0e} for {_name(out_dtype)}); "
+                f"{rel_error:.2e} relative (tolerance {tolerance:.0e} for {_name(out_dtype)}); "
                 "nothing was written"
             )
 
     write_atomic_dir(target, write)
     return MergeReport(
         output_dir=target, source=source, dtype=out_dtype, tokens_checked=int(input_ids.numel()),
-        rel_error=checked["error"], tolerance=TOLERANCE[out_dtype], adapters_effect=adapters_effect,
-        replaced=replaced,
+        rel_error=rel_error, tolerance=tolerance, adapters_effect=adapters_effect, replaced=replaced,
     )
 
 
@@ -191,28 +194,25 @@ def _check_output(target: Path, source: ModelSource) -> bool:
     return False
 
 
-def _output_dtype(name: str, base_config, model_cfg: ModelConfig | None) -> torch.dtype:
-    if name != "auto":
-        return DTYPES[name]
-    if model_cfg is not None and model_cfg.dtype != "auto":
-        return DTYPES[model_cfg.dtype]
-    if model_cfg is None or model_cfg.name_or_path is not None:
-        # A pretrained base was loaded in float32 for the merge; its checkpoint's dtype is what
-        # `from_pretrained` read from its config.
-        saved = _saved_dtype(model_cfg.name_or_path if model_cfg else None, base_config)
-        if saved is not None:
-            return saved
-    return torch.float32
+def _output_dtype(requested: torch.dtype | None, base: ModelConfig) -> torch.dtype:
+    """`--dtype` when given, else the base's `model.dtype` when set, else a pretrained base's
+    checkpoint dtype, else float32 (a base built from `model.config`)."""
+    if requested is not None:
+        return requested
+    if base.dtype != "auto":
+        return DTYPES[base.dtype]
+    return _saved_dtype(base.name_or_path) or torch.float32
 
 
-def _saved_dtype(name_or_path: str | None, base_config) -> torch.dtype | None:
+def _saved_dtype(name_or_path: str | None) -> torch.dtype | None:
+    """The dtype a pretrained model's config names: the base is loaded in float32 for the merge,
+    so this is read from its config, not from the loaded model."""
     from transformers import AutoConfig
 
-    source = name_or_path or getattr(base_config, "_name_or_path", None)
-    if not source:
+    if not name_or_path:
         return None
     try:
-        dtype = getattr(AutoConfig.from_pretrained(source), "dtype", None)
+        dtype = getattr(AutoConfig.from_pretrained(name_or_path), "dtype", None)
     except (OSError, ValueError, KeyError):
         return None
     if isinstance(dtype, str):

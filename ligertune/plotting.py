@@ -8,7 +8,6 @@ display needed. matplotlib is the optional extra `ligertune[plot]`.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -27,38 +26,15 @@ def require_matplotlib() -> None:
         raise UserError("plot: needs matplotlib (the `plot` extra): pip install matplotlib") from None
 
 
-def read_metrics(path: Path) -> list[dict]:
-    """The records of a metrics.jsonl. A cut last line (a run killed mid-write) is skipped; any
-    other line that is not a JSON object is an error naming the file and line."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise UserError(f"{path}: not found") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise UserError(f"{path}: cannot read: {err}") from None
-    records = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            if number == len(lines):
-                break
-            raise UserError(f"{path}:{number}: not a JSON object") from None
-        if not isinstance(record, dict) or not isinstance(record.get("step"), (int, float)):
-            raise UserError(f"{path}:{number}: a record needs a numeric `step`")
-        records.append(record)
-    return records
-
-
 def plot_metrics(metrics_path: Path, output_png: Path) -> Path:
     """Draw train and eval loss, learning rate and gradient norm against step; return `output_png`.
 
     Panels without data (a run with no eval, records without `grad_norm`) are left out. The PNG is
     written to a temporary sibling and renamed, so a reader never sees half a file.
     """
-    require_matplotlib()
+    # Imported here: `ligertune.training` imports this module for the plot at the end of a run.
+    from ligertune.training.checkpoint import read_metrics
+
     metrics_path, output_png = Path(metrics_path), Path(output_png)
     records = read_metrics(metrics_path)
     fig = metrics_figure(records, title=metrics_path.resolve().parent.name, source=str(metrics_path))

@@ -11,10 +11,11 @@ from typer.testing import CliRunner
 
 from ligertune.cli.main import app
 from ligertune.errors import UserError
+from ligertune.training.checkpoint import read_metrics
 
 matplotlib = pytest.importorskip("matplotlib")  # the `plot` extra; part of the `test` extra
 
-from ligertune.plotting import metrics_figure, plot_metrics, read_metrics  # noqa: E402 (after the skip)
+from ligertune.plotting import metrics_figure, plot_metrics  # noqa: E402 (after the skip)
 
 runner = CliRunner()
 
@@ -114,6 +115,14 @@ def test_plot_command(tmp_path: Path):
 
     result = runner.invoke(app, ["plot", str(tmp_path / "absent")])
     assert result.exit_code == 2 and "absent: no metrics.jsonl there" in result.stderr
+
+
+def test_plot_prints_a_bracketed_path_as_it_is(tmp_path: Path):
+    run = tmp_path / "run[" / "x]"  # `[/x]` in the path would close a rich markup tag
+    write_metrics(run)
+    result = runner.invoke(app, ["plot", str(run)])
+    assert result.exit_code == 0, result.output
+    assert f"wrote {run / 'loss.png'}" in result.output
 
 
 def test_missing_matplotlib_names_the_extra(tmp_path: Path, monkeypatch):

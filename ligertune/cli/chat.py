@@ -11,6 +11,9 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
+from ligertune.cli.options import DeviceOpt
+from ligertune.errors import UserError
+
 HELP = "/system TEXT sets the system prompt and starts over, /reset starts over, /exit (or Ctrl-D) quits"
 
 
@@ -43,7 +46,7 @@ def chat(
         Optional[int], typer.Option("--seed", help="Seed of the sampling (with --temperature > 0).",
                                     show_default=False)
     ] = None,
-    device: Annotated[str, typer.Option("--device", help="auto, cuda or cpu.")] = "auto",
+    device: DeviceOpt = "auto",
     dtype: Annotated[
         str, typer.Option("--dtype", help="auto (bf16 on a GPU, fp32 on a CPU), bf16, fp16 or fp32.")
     ] = "auto",
@@ -57,7 +60,6 @@ def chat(
     """
     import transformers
 
-    from ligertune.errors import UserError
     from ligertune.inference import ChatSession, check_sampling, load_for_inference, require_chat_template
 
     if json_ and prompt is None:
@@ -68,12 +70,12 @@ def chat(
     require_chat_template(loaded)
     session = ChatSession(loaded.model, loaded.tokenizer, system=system, max_new_tokens=max_new_tokens,
                           temperature=temperature, top_p=top_p, seed=seed)
+    note = Console(stderr=True, highlight=False, soft_wrap=True)
     if prompt is None:
         mode = "greedy" if temperature == 0 else f"temperature {temperature:g}, top-p {top_p:g}"
-        note = Console(stderr=True, highlight=False, soft_wrap=True)
-        note.print(f"[dim]{loaded.source.describe()}, {loaded.device.type}, "
-                   f"{str(loaded.dtype).removeprefix('torch.')}, {mode}[/]")
-        note.print(f"[dim]{HELP}[/]")
+        note.print(Text(f"{loaded.source.describe()}, {loaded.device.type}, "
+                        f"{str(loaded.dtype).removeprefix('torch.')}, {mode}", style="dim"))
+        note.print(Text(HELP, style="dim"))
         interact(session, Console(highlight=False, soft_wrap=True))
         return
     if json_:
@@ -86,13 +88,11 @@ def chat(
     reply = session.ask(prompt, on_text=write)
     write("\n")
     if reply.finish_reason == "length":
-        note = Console(stderr=True, highlight=False, soft_wrap=True)
-        note.print(f"[dim]stopped at --max-new-tokens {max_new_tokens}[/]")
+        note.print(Text(f"stopped at --max-new-tokens {max_new_tokens}", style="dim"))
 
 
 def interact(session, console: Console) -> None:
     """Read a line, answer it with the reply streamed, until /exit, Ctrl-D or Ctrl-C at the prompt."""
-    from ligertune.errors import UserError
     while True:
         try:
             line = console.input("[bold cyan]>[/] ").strip()
@@ -112,8 +112,8 @@ def interact(session, console: Console) -> None:
                 session.set_system(argument.strip())
                 state = "set" if session.system else "cleared"
                 console.print(f"[dim]system prompt {state}; new conversation[/]")
-            else:
-                console.print(f"[yellow]unknown command {command}[/]: {HELP}")
+            else:  # the user's text, as Text: `/[/x]` is not rich markup
+                console.print(Text.assemble((f"unknown command {command}", "yellow"), f": {HELP}"))
             continue
         try:
             reply = session.ask(line, on_text=write)

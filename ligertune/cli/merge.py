@@ -7,6 +7,10 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.text import Text
+
+from ligertune.cli.guard import print_error
+from ligertune.cli.options import DeviceOpt, JsonOpt
 
 
 def merge(
@@ -23,12 +27,8 @@ def merge(
         str, typer.Option("--dtype", help="Dtype of the written weights: bf16, fp16, fp32, or auto (the "
                           "base model's own).")
     ] = "auto",
-    device: Annotated[
-        str, typer.Option("--device", help="Where to merge and check: auto, cuda or cpu.")
-    ] = "auto",
-    json_: Annotated[
-        bool, typer.Option("--json", help="Print the report (output folder, dtype, check) as JSON.")
-    ] = False,
+    device: DeviceOpt = "auto",
+    json_: JsonOpt = False,
 ) -> None:
     """Merge a run's LoRA adapters into its base model and write a standalone Hugging Face model.
 
@@ -48,21 +48,22 @@ def merge(
     try:
         report = merge_adapters(run, output=output, dtype=dtype, device=device)
     except MergeCheckError as err:
-        Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {err}")
+        print_error(err)
         raise typer.Exit(1) from None
     if json_:
         print(json.dumps(report.to_dict(), indent=2))
         return
+    # Paths are printed as Text: a folder named `x[/y]` is not rich markup.
     console = Console(highlight=False, soft_wrap=True)
-    dtype_name = report.to_dict()["dtype"]
+    ok = ("ok", "green")
     verb = "replaced" if report.replaced else "wrote"
-    console.print(f"merged the LoRA adapters of {report.source.model_dir} into their base model")
-    console.print(f"[green]ok[/] {verb} {report.output_dir} "
-                  f"({dtype_name} safetensors, tokenizer and chat template)")
-    console.print(
-        f"[green]ok[/] loaded back, its logits on {report.tokens_checked} tokens match base + adapters "
+    console.print(Text(f"merged the LoRA adapters of {report.source.model_dir} into their base model"))
+    console.print(Text.assemble(ok, f" {verb} {report.output_dir} "
+                                f"({report.dtype_name} safetensors, tokenizer and chat template)"))
+    console.print(Text.assemble(
+        ok, f" loaded back, its logits on {report.tokens_checked} tokens match base + adapters "
         f"within {report.rel_error:.1e} relative (tolerance {report.tolerance:.0e}; the adapters "
         f"themselves move them by {report.adapters_effect:.1e})"
-    )
-    console.print(f"[dim]use it: ligertune chat {report.output_dir}, or "
-                  f"AutoModelForCausalLM.from_pretrained(\"{report.output_dir}\")[/]")
+    ))
+    console.print(Text(f"use it: ligertune chat {report.output_dir}, or "
+                       f"AutoModelForCausalLM.from_pretrained(\"{report.output_dir}\")", style="dim"))

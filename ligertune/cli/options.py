@@ -22,5 +22,8 @@ SetOpt = Annotated[
     ),
 ]
 JsonOpt = Annotated[
-    bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")
+    bool, typer.Option("--json", help="Print machine-readable JSON instead of text.")
+]
+DeviceOpt = Annotated[
+    str, typer.Option("--device", help="auto (CUDA when there is a GPU), cuda or cpu.")
 ]

@@ -32,4 +32,5 @@ def plot(
     if not metrics.is_file():
         raise UserError(f"{run}: no metrics.jsonl there (expected a run directory or a metrics.jsonl)")
     target = output if output is not None else metrics.parent / "loss.png"
-    Console(highlight=False, soft_wrap=True).print(f"wrote {plot_metrics(metrics, target)}")
+    # A path is not rich markup: a folder named `x[/y]` prints as it is.
+    Console(highlight=False, soft_wrap=True).print(f"wrote {plot_metrics(metrics, target)}", markup=False)

@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 
 from ligertune.distributed import barrier, broadcast_from_main, is_main_process, together
+from ligertune.errors import UserError
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -217,16 +218,27 @@ def strict_json(record: dict) -> dict:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
+    """The records of a metrics.jsonl. A cut last line (a run killed mid-write) is skipped; any
+    other line that is not a JSON object with a numeric `step` is an error naming the file and line."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise UserError(f"{path}: not found") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"{path}: cannot read: {err}") from None
     records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if line:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:  # a line cut short by a crash
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if number == len(lines):
                 break
+            raise UserError(f"{path}:{number}: not a JSON object") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), (int, float)):
+            raise UserError(f"{path}:{number}: a record needs a numeric `step`")
+        records.append(record)
     return records
 
 
@@ -243,7 +255,8 @@ class MetricsLog:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
         if resume_after is not None:
-            kept = [r for r in read_metrics(path) if r.get("step", 0) <= resume_after]
+            records = read_metrics(path) if path.exists() else []
+            kept = [r for r in records if r["step"] <= resume_after]
             write_atomic_text(path, "".join(json.dumps(r) + "\n" for r in kept))
         self._file = path.open("a" if resume_after is not None else "w", encoding="utf-8")
 

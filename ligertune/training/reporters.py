@@ -91,11 +91,12 @@ def open_reporters(names: list[str], run_dir: Path, config: dict) -> Reporters:
         close = difflib.get_close_matches(unknown[0], list(OPENERS), n=1, cutoff=0.6)
         hint = f"; did you mean `{close[0]}`?" if close else ""
         raise UserError(f"{KEY}: unknown reporter {unknown[0]!r}{hint} (choices: {', '.join(OPENERS)})")
-    for name in dict.fromkeys(names):
+    names = list(dict.fromkeys(names))
+    for name in names:
         _require(name)
     opened: list[Reporter] = []
     try:
-        for name in dict.fromkeys(names):
+        for name in names:
             opened.append(OPENERS[name](Path(run_dir), config))
     except BaseException:
         Reporters(opened).close()
@@ -184,7 +185,7 @@ def wandb_api_key_present() -> bool:
 
 
 OPENERS = {"tensorboard": TensorBoardReporter, "wandb": WandbReporter}
-EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb"}
+"""Each reporter by name; the package it needs and its extra carry the same name."""
 
 
 def _require(name: str) -> None:
@@ -196,7 +197,6 @@ def _require(name: str) -> None:
         else:
             import wandb  # noqa: F401
     except ImportError:
-        # The extra is named in words: `[...]` would read as markup where the message is printed.
         raise UserError(
-            f"{KEY}: {name} needs the {name} package (the `{EXTRAS[name]}` extra): pip install {name}"
+            f"{KEY}: {name} needs the {name} package (the `{name}` extra): pip install {name}"
         ) from None

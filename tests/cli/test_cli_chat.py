@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -197,6 +198,15 @@ def test_interactive_reply_streams_the_one_shot_answer_and_ends_at_eof(lora_run:
     result = invoke("chat", lora_run, "-n", 8, input=f"{QUESTION}\n")  # no /exit: end of input ends it
     assert result.exit_code == 0, result.output + result.stderr
     assert f"{answer}\n" in result.stdout
+
+
+def test_brackets_in_a_command_or_a_path_are_printed_as_they_are(lora_run: Path, tmp_path: Path):
+    run = tmp_path / "run[" / "x]"  # `[/x]` would close a rich markup tag
+    shutil.copytree(lora_run, run)
+    result = invoke("chat", run, input="/[/x]\n/exit\n")
+    assert result.exit_code == 0, result.output + result.stderr
+    assert "unknown command /[/x]: /system TEXT" in result.stdout
+    assert f"LoRA adapters in {run / 'final'}, cpu" in result.stderr
 
 
 # --------------------------------------------------------------------------------------------------

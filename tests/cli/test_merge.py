@@ -142,6 +142,13 @@ def test_a_failed_check_leaves_nothing(lora_run: Path, tmp_path: Path, monkeypat
     assert not out.exists() and not list(tmp_path.iterdir())
 
 
+def test_paths_with_brackets_print_as_they_are(lora_run: Path, tmp_path: Path):
+    out = tmp_path / "merged[" / "x]"  # `[/x]` in the path would close a rich markup tag
+    result = invoke("merge", lora_run, "--output", out)
+    assert result.exit_code == 0, result.output + result.stderr
+    assert f"wrote {out} " in result.output and f"ligertune chat {out}," in result.output
+
+
 def test_help_shows_an_example():
     result = invoke("merge", "--help")
     assert result.exit_code == 0 and "Example" in result.output

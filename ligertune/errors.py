@@ -28,3 +28,10 @@ class DataError(UserError):
 class EnvironmentFault(Exception):
     """A fault of the machine, not of the input (a full disk, a folder that cannot be written, a hub
     that cannot be reached): reported in one line naming the path and the cause, exit 1."""
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message (its type name when the message is empty): what a
+    one-line report quotes of an error raised by a library."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -39,14 +39,18 @@ def meant_as_path(name: str, base: Path | None = None) -> bool:
         return True
     if not is_hub_id(name):
         return True
-    path = Path(name)
     roots = [base] if base is not None else []
     try:
         roots.append(Path.cwd())
     except OSError:  # the current directory was removed
         pass
-    return any((root / path).exists() or (len(path.parts) > 1 and (root / path.parts[0]).exists())
-               for root in roots)
+    return any(found_in(root, Path(name)) for root in roots)
+
+
+def found_in(root: Path, path: Path) -> bool:
+    """The relative `path` exists under `root`, or its first component does (`data/missing.jsonl`
+    beside a folder `data`): either way it is meant there."""
+    return (root / path).exists() or (len(path.parts) > 1 and (root / path.parts[0]).exists())
 
 
 def offline_by_env() -> str | None:

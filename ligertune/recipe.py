@@ -26,7 +26,8 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from ligertune.errors import RecipeError
+from ligertune import hub
+from ligertune.errors import RecipeError, first_line
 
 # Every integer of a recipe fits in 64 bits: torch and the C code below it take nothing larger.
 INT_MIN, INT_MAX = -(2**63), 2**63 - 1
@@ -38,8 +39,10 @@ MAX_SAMPLES = 100_000_000
 MAX_MICRO_BATCH = 65536
 MAX_GRAD_ACCUM = 1_000_000
 MAX_THREADS = 4096
-# The label of untrained tokens (the data pipeline writes it; the same value as `data.IGNORE_INDEX`).
+# The label of untrained tokens: the data pipeline writes it (`ligertune.data` takes it from here, the
+# upstream end of the data flow) and `loss.ignore_index` must name it.
 IGNORE_INDEX = -100
+
 
 def _field(default: Any = dataclasses.MISSING, doc: str = "", *, factory: Any = None) -> Any:
     """A dataclass field that carries its documentation (shown by `docs/recipe.md` and `recipes show`)."""
@@ -96,7 +99,7 @@ class DataSource:
     split: str = _field("train", "Split to read when `path` is a hub dataset.")
     weight: float | None = _field(None, "Relative share of this source (repeated or subsampled to its share).")
     samples: int | None = _field(
-        None, "Exact number of conversations to take from this source (at most 100,000,000)."
+        None, f"Exact number of conversations to take from this source (at most {MAX_SAMPLES:,})."
     )
 
     def check(self) -> list[tuple[str, str]]:
@@ -191,7 +194,7 @@ class LossConfig:
     z_loss_weight: float = _field(0.0, "Weight of the z-loss (log Z)^2 term; 0 disables it.")
     label_smoothing: float = _field(0.0, "Label smoothing epsilon, in [0, 1).")
     ignore_index: int = _field(
-        -100, "Label value that carries no loss: -100, the value the data pipeline writes."
+        IGNORE_INDEX, f"Label value that carries no loss: {IGNORE_INDEX}, the value the data pipeline writes."
     )
 
     def check(self) -> list[tuple[str, str]]:
@@ -210,7 +213,7 @@ class LossConfig:
 class LoraConfig:
     """LoRA adapters through peft; the base model is frozen (and still patched)."""
 
-    r: int = _field(16, "Adapter rank, 1 to 65536.")
+    r: int = _field(16, f"Adapter rank, 1 to {MAX_LORA_RANK}.")
     alpha: float = _field(32, "Scaling numerator: adapters are scaled by alpha / r.")
     dropout: float = _field(0.0, "Dropout on the adapter input.")
     target_modules: str | list[str] = _field(
@@ -269,9 +272,11 @@ class TrainConfig:
     """The loop: length, batching, evaluation and checkpoint cadence."""
 
     max_steps: int | None = _field(None, "Optimizer steps to run; overrides `epochs` when set.")
-    epochs: float = _field(1.0, "Passes over the training packs when `max_steps` is unset; at most 1e6.")
-    micro_batch_size: int = _field(1, "Packs per forward/backward; at most 65536.")
-    grad_accum_steps: int = _field(1, "Micro-batches per optimizer step; at most 1,000,000.")
+    epochs: float = _field(
+        1.0, f"Passes over the training packs when `max_steps` is unset; at most {MAX_EPOCHS:g}."
+    )
+    micro_batch_size: int = _field(1, f"Packs per forward/backward; at most {MAX_MICRO_BATCH}.")
+    grad_accum_steps: int = _field(1, f"Micro-batches per optimizer step; at most {MAX_GRAD_ACCUM:,}.")
     seed: int = _field(0, "Seed for weights, data order and dropout.")
     gradient_checkpointing: bool = _field(False, "Recompute activations in backward to save memory.")
     device: Literal["auto", "cpu", "cuda"] = _field("auto", "`auto`: CUDA when available, else CPU.")
@@ -288,7 +293,7 @@ class TrainConfig:
         5, "Stop the run after this many consecutive steps skipped for a non-finite loss or gradient."
     )
     num_threads: int | None = _field(
-        None, "CPU threads for torch, at most 4096; default: torch's own choice."
+        None, f"CPU threads for torch, at most {MAX_THREADS}; default: torch's own choice."
     )
 
     def check(self) -> list[tuple[str, str]]:
@@ -400,7 +405,7 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise RecipeError([f"the recipe must be a mapping of sections, got {_describe(raw)}"], source)
+        raise RecipeError([f"the recipe must be a mapping of sections, got {describe_value(raw)}"], source)
     raw = apply_overrides(raw, overrides)
     try:
         recipe = recipe_from_dict(raw)
@@ -448,11 +453,11 @@ def parse_yaml(text: str, source: str, *, lines: bool = True) -> tuple[Any, list
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         raise RecipeError([f"YAML syntax error at {where}{err.problem or err.context}"], source) from None
     except yaml.YAMLError as err:
-        raise RecipeError([f"YAML error: {_first_line(err)}"], source) from None
+        raise RecipeError([f"YAML error: {first_line(err)}"], source) from None
     except RecursionError:
         raise RecipeError(["YAML error: nested too deeply"], source) from None
     except ValueError as err:  # a constructor's own check: Python reads no integer of over 4300 digits
-        reason = "an integer too long to read" if "digits" in str(err) else _first_line(err)
+        reason = "an integer too long to read" if "digits" in str(err) else first_line(err)
         raise RecipeError([f"YAML error: {reason}"], source) from None
     finally:
         loader.dispose()
@@ -524,7 +529,7 @@ def apply_overrides(raw: dict, overrides: list[str] | tuple[str, ...]) -> dict:
             if child is None:
                 child = node[part] = {}
             elif not isinstance(child, dict):
-                problems.append(f"--set {shown}: `{'.'.join(parts[:depth])}` holds {_describe(child)}, "
+                problems.append(f"--set {shown}: `{'.'.join(parts[:depth])}` holds {describe_value(child)}, "
                                 "not a mapping of keys")
                 break
             node = child
@@ -537,11 +542,6 @@ def apply_overrides(raw: dict, overrides: list[str] | tuple[str, ...]) -> dict:
 
 def _shorten(text: str, width: int = 80) -> str:
     return text if len(text) <= width else f"{text[: width - 3]}..."
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def recipe_from_dict(raw: dict, source: str | None = None) -> Recipe:
@@ -579,7 +579,7 @@ def _check_all(obj: Any, prefix: str, broken: set[str]) -> list[str]:
 
 def _build(cls: type, raw: Any, path: str, problems: list[str]) -> Any:
     if not isinstance(raw, dict):
-        problems.append(f"{path or 'recipe'}: expected a mapping, got {_describe(raw)}")
+        problems.append(f"{path or 'recipe'}: expected a mapping, got {describe_value(raw)}")
         return None
     hints = get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
@@ -620,7 +620,7 @@ def _convert(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
             if not trial:
                 return result
         names = " or ".join(_type_name(o) for o in non_null)
-        problems.append(f"{path}: expected {names}, got {_describe(value)}")
+        problems.append(f"{path}: expected {names}, got {describe_value(value)}")
         return None
     if origin is Literal:
         choices = get_args(tp)
@@ -633,7 +633,7 @@ def _convert(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
     if origin is list:
         (item_tp,) = get_args(tp)
         if not isinstance(value, list):
-            problems.append(f"{path}: expected a list, got {_describe(value)}")
+            problems.append(f"{path}: expected a list, got {describe_value(value)}")
             return None
         return [_convert(item_tp, v, f"{path}[{i}]", problems) for i, v in enumerate(value)]
     if dataclasses.is_dataclass(tp):
@@ -645,7 +645,7 @@ def _convert(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             if not INT_MIN <= value <= INT_MAX:
                 problems.append(f"{path}: out of range: an integer must fit in 64 bits "
-                                f"(-2^63 to 2^63-1), got {_describe(value)}")
+                                f"(-2^63 to 2^63-1), got {describe_value(value)}")
                 return None
             return value
     elif tp is float:
@@ -659,7 +659,7 @@ def _convert(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
                 pass
         if number is not None:
             if not math.isfinite(number):
-                problems.append(f"{path}: must be a finite number, got {_describe(value)}")
+                problems.append(f"{path}: must be a finite number, got {describe_value(value)}")
                 return None
             return number
     elif tp is str:
@@ -670,7 +670,7 @@ def _convert(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
             return value
     elif tp is Any:
         return value
-    problems.append(f"{path}: expected {_type_name(tp)}, got {_describe(value)}")
+    problems.append(f"{path}: expected {_type_name(tp)}, got {describe_value(value)}")
     return None
 
 
@@ -692,7 +692,7 @@ def _to_float(value: int | float) -> float:
         return math.copysign(math.inf, value)
 
 
-def _describe(value: Any, width: int = 60) -> str:
+def describe_value(value: Any, width: int = 60) -> str:
     """A value as a problem message shows it: `null`, `true`, `a list`, or its repr, shortened."""
     if value is None:
         return "null"
@@ -707,9 +707,10 @@ def _describe(value: Any, width: int = 60) -> str:
 
 
 def resolve_paths(recipe: Recipe, base: Path) -> Recipe:
-    """Point relative paths at the recipe's folder when a file or folder of that name is there, or
-    the folder that the path starts with (`data/missing.jsonl` next to a folder `data`: the path
-    is meant there, and a missing file is reported there rather than looked up on the hub)."""
+    """Point relative paths at the recipe's folder when they are found there (`hub.found_in`): a file
+    or folder of that name, or the folder that the path starts with (`data/missing.jsonl` next to a
+    folder `data`: the path is meant there, and a missing file is reported there rather than looked
+    up on the hub)."""
 
     def local(p: str | None) -> str | None:
         if p is None:
@@ -717,10 +718,7 @@ def resolve_paths(recipe: Recipe, base: Path) -> Recipe:
         expanded = Path(p).expanduser()
         if expanded.is_absolute():
             return str(expanded)
-        candidate = base / expanded
-        if candidate.exists() or (len(expanded.parts) > 1 and (base / expanded.parts[0]).is_dir()):
-            return str(candidate)
-        return p
+        return str(base / expanded) if hub.found_in(base, expanded) else p
 
     model = dataclasses.replace(recipe.model, name_or_path=local(recipe.model.name_or_path),
                                 tokenizer=local(recipe.model.tokenizer))

@@ -93,11 +93,6 @@ def test_out_of_range_numbers_are_refused_with_their_key(recipe, override, expec
     assert expected in error_line(invoke("validate", recipe, *overrides))
 
 
-def test_out_of_range_numbers_stop_train_before_it_starts(recipe, tmp_path):
-    line = error_line(invoke("train", recipe, "-o", tmp_path / "run", "--set", "train.epochs=.inf"))
-    assert "--set train.epochs=.inf: must be a finite number" in line
-
-
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
@@ -130,9 +125,16 @@ def test_inconsistent_model_config_is_named_by_validate(recipe, override, expect
     assert expected in error_line(invoke("validate", recipe, "--set", override))
 
 
-def test_inconsistent_model_config_is_named_by_train(recipe, tmp_path):
-    line = error_line(invoke("train", recipe, "-o", tmp_path / "run", "--set", "model.config.hidden_size=0"))
-    assert "model.config.hidden_size: must be a positive integer, got 0" in line
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        pytest.param("train.epochs=.inf", "--set train.epochs=.inf: must be a finite number", id="number"),
+        pytest.param("model.config.hidden_size=0",
+                     "model.config.hidden_size: must be a positive integer, got 0", id="model-config"),
+    ],
+)
+def test_train_refuses_bad_numbers_and_model_configs_before_it_starts(recipe, tmp_path, override, expected):
+    assert expected in error_line(invoke("train", recipe, "-o", tmp_path / "run", "--set", override))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -243,7 +243,6 @@ def _errors(problem: Problem, run, reference: tuple[torch.Tensor, ...]) -> dict[
     return {name: relative_error(a, b) for name, a, b in zip(problem.output_names, got, reference)}
 
 
-
 def _reset_compile() -> None:
     try:
         torch._dynamo.reset()

@@ -11,6 +11,8 @@ import importlib
 import importlib.metadata
 from dataclasses import dataclass
 
+from ligertune.errors import first_line
+
 PEERS = {"liger": ("liger-kernel", "liger_kernel"), "cce": ("cut-cross-entropy", "cut_cross_entropy")}
 """Peer key -> (distribution name, import name)."""
 
@@ -38,8 +40,7 @@ def find_peer(key: str) -> Peer:
         importlib.import_module(module_name)
     except ImportError as err:
         missing = isinstance(err, ModuleNotFoundError) and (err.name or "").split(".")[0] == module_name
-        first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
-        reason = NOT_INSTALLED if missing else f"import failed: {first_line}"
+        reason = NOT_INSTALLED if missing else f"import failed: {first_line(err)}"
         return Peer(key, distribution, None, reason)
     except Exception as err:  # a peer whose import breaks (e.g. a Triton version it does not know)
         return Peer(key, distribution, None, f"import failed: {type(err).__name__}: {err}")

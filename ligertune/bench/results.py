@@ -75,7 +75,6 @@ class KernelReport:
         return data
 
 
-
 def describe_error(err: BaseException) -> str:
     """One line for a row that failed: the exception's type and first line ("out of memory" for OOM)."""
     if isinstance(err, torch.cuda.OutOfMemoryError):

@@ -34,7 +34,6 @@ CPU_SHAPES = {
 }
 
 
-
 def parse_shape(text: str) -> tuple[str, tuple[int, ...]]:
     """`flce:8192x4096x128256` -> ("flce", (8192, 4096, 128256)); `UserError` for anything else."""
     kernel, sep, dims = text.partition(":")

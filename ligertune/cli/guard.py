@@ -10,8 +10,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from ligertune.distributed import is_main_process
-from ligertune.errors import EnvironmentFault, UserError
+from ligertune.errors import EnvironmentFault, UserError, first_line
 
 
 def debug_enabled() -> bool:
@@ -27,16 +26,11 @@ def guarded(fn: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except UserError as err:
+        except (UserError, EnvironmentFault) as err:
             if debug_enabled():
                 raise
             print_error(err)
-            raise typer.Exit(2) from None
-        except EnvironmentFault as err:
-            if debug_enabled():
-                raise
-            print_error(err)
-            raise typer.Exit(1) from None
+            raise typer.Exit(2 if isinstance(err, UserError) else 1) from None
         except Exception as err:
             if debug_enabled() or not out_of_memory(err):
                 raise
@@ -49,6 +43,9 @@ def guarded(fn: Callable) -> Callable:
 def print_error(err: BaseException | str) -> None:
     """Each line of the message after a red `error:`, printed literally (never read as rich markup:
     messages echo paths, keys and data that may hold brackets)."""
+    # Imported here, not at the top: `distributed` imports torch, and every command imports this module.
+    from ligertune.distributed import is_main_process
+
     if not is_main_process():  # with several processes every rank fails alike; rank 0 says why
         return
     console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -61,8 +58,3 @@ def out_of_memory(err: BaseException) -> bool:
     if isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError":
         return True
     return isinstance(err, RuntimeError) and "can't allocate memory" in str(err)
-
-
-def first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__

@@ -41,8 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
 from ligertune.errors import DataError, UserError
-
-IGNORE_INDEX = -100
+from ligertune.recipe import IGNORE_INDEX
 
 # A text longer than PROBE_CHARS_PER_TOKEN * (limit + BOUNDARY_TOKENS) characters is measured on
 # prefixes before it is tokenized in full (`fits`): chat text runs at 3-5 characters per token, so the
@@ -75,22 +74,23 @@ class ConversationError(DataError):
     """The role rules or the chat template reject a conversation; the caller prefixes file and line."""
 
 
-def check_tokenizer(tokenizer: Any) -> None:
+def check_tokenizer(tokenizer: Any, subject: str | None = None) -> None:
     """Rendering needs a chat template and character offsets (a fast tokenizer).
 
-    `models.load_tokenizer` checks both and names the recipe key; this check, for tokenizers made
-    otherwise, names the tokenizer's own `name_or_path`.
+    `subject` names the tokenizer in the message (`models.load_tokenizer` gives `model.tokenizer:
+    the tokenizer of DIR`); by default, `the tokenizer NAME_OR_PATH`.
     """
-    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    if subject is None:
+        subject = f"the tokenizer {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__}"
     if not getattr(tokenizer, "chat_template", None):
         raise UserError(
-            f"the tokenizer {name} has no chat template: conversations are rendered with the "
-            "tokenizer's own template, so use a chat/instruct tokenizer (or set `tokenizer.chat_template`)"
+            f"{subject} has no chat template: conversations are rendered with the tokenizer's own "
+            "template, so use a chat/instruct tokenizer (or add a `chat_template` to its "
+            "tokenizer_config.json)"
         )
     if not getattr(tokenizer, "is_fast", False):
         raise UserError(
-            f"the tokenizer {name} is not a fast (Rust `tokenizers`) tokenizer: masking needs its "
-            "character offsets"
+            f"{subject} is not a fast (Rust `tokenizers`) tokenizer: masking needs its character offsets"
         )
 
 
@@ -141,7 +141,7 @@ def fits(tokenizer: Any, text: str, limit: int) -> bool:
     least `limit + 1`), at a cost in proportion to `limit` rather than to the text: a 50 MB record
     is not tokenized in full to be dropped. Otherwise the whole text is counted.
     """
-    size = max(probe_chars(limit), 1)
+    size = probe_chars(limit)
     while size < len(text):
         if count_tokens(tokenizer, text[:size]) > limit + BOUNDARY_TOKENS:
             return False

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ligertune import hub
-from ligertune.errors import DataError, EnvironmentFault
+from ligertune.errors import DataError, EnvironmentFault, first_line
 
 FORMATS = ("messages", "sharegpt", "prompt_completion")
 ROLES = ("system", "user", "assistant", "tool")
@@ -68,8 +68,7 @@ def is_local(path: str) -> bool:
     """A source is a local file when it exists, names a data file, or is meant as a path
     (`ligertune.hub.meant_as_path`: `./x`, `a/b/c`, `data/x` beside a folder `data`); anything else
     is a hub dataset name."""
-    p = Path(path).expanduser()
-    return p.exists() or p.suffix.lower() in LOCAL_SUFFIXES or hub.meant_as_path(path)
+    return Path(path).suffix.lower() in LOCAL_SUFFIXES or hub.meant_as_path(path)
 
 
 def iter_records(path: str, *, split: str = "train") -> Iterator[tuple[str, Any]]:
@@ -122,7 +121,7 @@ def _iter_json(file: Path, name: str) -> Iterator[tuple[str, Any]]:
             except RecursionError:
                 record = BadRecord("invalid JSON: nested too deeply")
             except ValueError as err:  # an integer of over 4300 digits
-                record = BadRecord(f"invalid JSON: {_first_line(err)}")
+                record = BadRecord(f"invalid JSON: {first_line(err)}")
             yield f"{name}:{lineno}", record
 
 
@@ -160,7 +159,7 @@ def _iter_json_array(file: Path, name: str) -> Iterator[tuple[str, Any]]:
         except RecursionError:
             raise DataError(f"{name}:{line}: invalid JSON: nested too deeply") from None
         except ValueError as err:  # an integer of over 4300 digits
-            raise DataError(f"{name}:{line}: invalid JSON: {_first_line(err)}") from None
+            raise DataError(f"{name}:{line}: invalid JSON: {first_line(err)}") from None
         yield f"{name}:{line}", record
         pos = skip_space(end)
         if pos < len(text) and text[pos] == ",":
@@ -212,9 +211,9 @@ def _iter_hub(name: str, split: str) -> Iterator[tuple[str, Any]]:
         dataset = datasets.load_dataset(name, split=split)
     except Exception as err:  # the hub raises many kinds: connection, not found, unknown split
         if offline is not None:
-            raise EnvironmentFault(f"{unreachable}: {_first_line(err)}") from None
+            raise EnvironmentFault(f"{unreachable}: {first_line(err)}") from None
         raise DataError(
-            f"{name}: cannot load the hub dataset (split {split!r}): {_first_line(err)}"
+            f"{name}: cannot load the hub dataset (split {split!r}): {first_line(err)}"
         ) from None
     for row, record in enumerate(dataset, 1):
         yield f"{name}[{split}]:row {row}", record
@@ -348,11 +347,6 @@ def _content(item: dict, key: str, number: int) -> str:
         raise RecordError(f"message {number} has invalid text in `{key}`: a lone surrogate "
                           f"{content[err.start]!r} at character {err.start + 1}") from None
     return content
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _kind(value: Any) -> str:

@@ -13,11 +13,12 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from ligertune import hub
+from ligertune.data.chat import check_tokenizer
 from ligertune.devices import resolve_dtype
-from ligertune.errors import EnvironmentFault, UserError
+from ligertune.errors import EnvironmentFault, UserError, first_line
 from ligertune.models.attention import register_packed_attention
 from ligertune.models.presets import PRESETS, preset_fields
-from ligertune.recipe import ModelConfig
+from ligertune.recipe import ModelConfig, describe_value
 
 # Config keys `transformers` still accepts under their older names (and converts).
 _LEGACY_CONFIG_KEYS = frozenset({"rope_theta", "rope_scaling", "torch_dtype"})
@@ -63,16 +64,8 @@ def load_tokenizer(model_cfg: ModelConfig):
         )
     except (OSError, ValueError, KeyError) as err:
         _raise_offline(source, key, offline)
-        raise UserError(f"{key}: cannot load a tokenizer from {source!r}: {_first_line(err)}") from None
-    if not getattr(tokenizer, "chat_template", None):
-        raise UserError(
-            f"{key}: the tokenizer of {source} has no chat template: conversations are rendered with the "
-            "tokenizer's own template, so use a chat/instruct tokenizer (or add a `chat_template` to its "
-            "tokenizer_config.json)"
-        )
-    if not getattr(tokenizer, "is_fast", False):
-        raise UserError(f"{key}: the tokenizer of {source} is not a fast (Rust `tokenizers`) tokenizer: "
-                        "masking needs its character offsets")
+        raise UserError(f"{key}: cannot load a tokenizer from {source!r}: {first_line(err)}") from None
+    check_tokenizer(tokenizer, f"{key}: the tokenizer of {source}")
     return tokenizer
 
 
@@ -121,7 +114,7 @@ def build_model(
     except (OSError, ValueError, KeyError) as err:
         _raise_offline(source, "model.name_or_path", offline)
         raise UserError(
-            f"model.name_or_path: cannot load a model from {source!r}: {_first_line(err)}"
+            f"model.name_or_path: cannot load a model from {source!r}: {first_line(err)}"
         ) from None
     model.to(device)
     if vocab_size is not None and vocab_size > model.get_input_embeddings().num_embeddings:
@@ -156,7 +149,7 @@ def check_model(model_cfg: ModelConfig, *, vocab_size: int | None = None) -> str
         except (OSError, ValueError, KeyError) as err:
             _raise_offline(source, "model.name_or_path", offline)
             raise UserError(
-                f"model.name_or_path: cannot load a config from {source!r}: {_first_line(err)}"
+                f"model.name_or_path: cannot load a config from {source!r}: {first_line(err)}"
             ) from None
         origin = f"pretrained from {source}"
     return (f"{config.model_type}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
@@ -228,11 +221,11 @@ def _check_config_values(defaults: Any, fields: Mapping[str, Any]) -> None:
             continue
         default = 1.0 if key == "rope_theta" else getattr(defaults, key, None)  # rope_theta: a legacy key
         if key in _SIZE_KEYS and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            problems.append(f"model.config.{key}: must be a positive integer, got {_shown(value)}")
+            problems.append(f"model.config.{key}: must be a positive integer, got {describe_value(value)}")
         elif key in _SIZE_KEYS and value > (most := _LAYERS_MAX if key == "num_hidden_layers" else _SIZE_MAX):
             problems.append(f"model.config.{key}: must be at most {most}, got {value}")
         elif _is_number(default) and not _is_number(value):
-            problems.append(f"model.config.{key}: must be a number, got {_shown(value)}")
+            problems.append(f"model.config.{key}: must be a number, got {describe_value(value)}")
     if not problems:
         def effective(key: str) -> Any:
             return fields[key] if key in fields else getattr(defaults, key, None)
@@ -254,11 +247,6 @@ def _check_config_values(defaults: Any, fields: Mapping[str, Any]) -> None:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else f"{text[:57]}..."
 
 
 def _non_finite(value: Any, path: str) -> Iterator[tuple[str, float]]:
@@ -302,7 +290,7 @@ def _model_errors(config: Any, *, meta: bool = False) -> Iterator[None]:
         yield
     except refusals + ((RuntimeError,) if meta else ()) as err:
         raise UserError(f"model.config: cannot build a {config.model_type} model from it: "
-                        f"{_first_line(err)}") from None
+                        f"{first_line(err)}") from None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -344,8 +332,3 @@ def _raise_offline(source: str, key: str, offline: str | None) -> None:
             f"{key}: {source} not found locally and the hub cannot be reached (offline: {offline}); "
             "give a local directory, or download it while online"
         )
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__

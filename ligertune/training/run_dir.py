@@ -27,10 +27,7 @@ def check_output_dir(path: Path, *, resume: bool, overwrite: bool) -> None:
     """Refuse, with the reason and the way out, an output directory this run must not write."""
     if path.exists() and not path.is_dir():
         raise UserError(f"output.dir: {path} is a file, not a directory")
-    writable_parent = next((p for p in (path, *path.parents) if p.exists()), None)
-    if writable_parent is None or not os.access(writable_parent, os.W_OK | os.X_OK):
-        raise UserError(f"output.dir: {path} cannot be created or written (no write permission on "
-                        f"{writable_parent})")
+    _check_writable(path)
     owner = lock_owner(path)
     if owner is not None:
         raise UserError(f"output.dir: {path} is being written by another run (process {owner}); "
@@ -47,6 +44,25 @@ def check_output_dir(path: Path, *, resume: bool, overwrite: bool) -> None:
             f"output.dir: {path} holds an unfinished run; continue it with --resume, or replace it "
             "with --set output.overwrite=true"
         )
+
+
+def _check_writable(path: Path) -> None:
+    """Find out now, not after the model is built, whether `path` can be created and written: a
+    missing folder is created and removed again (permissions alone do not tell: /proc, a
+    read-only mount, a file in the way), an existing one must grant write access."""
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    try:
+        if existing == path:
+            if not os.access(path, os.W_OK | os.X_OK):
+                raise PermissionError(errno.EACCES, "permission denied")
+            return
+        path.mkdir(parents=True)
+    except OSError as err:
+        raise UserError(f"output.dir: {path} cannot be created or written: {err.strerror or err}") from None
+    for created in (path, *path.parents):  # leave no empty folder behind if the run fails later
+        if created == existing:
+            break
+        created.rmdir()
 
 
 @dataclass

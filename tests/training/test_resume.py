@@ -206,11 +206,22 @@ def test_one_run_per_directory(tmp_path: Path):
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r] == [1, 2]
 
 
-def test_output_dir_that_cannot_be_written_is_refused_before_building(tmp_path: Path):
+def test_output_dir_that_cannot_be_written_is_refused_before_building(tmp_path: Path, monkeypatch):
+    import ligertune.training.trainer as trainer_module
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was built before the output folder was checked")
+
+    monkeypatch.setattr(trainer_module, "build_model", never)
     path = write_recipe(tmp_path)
     (tmp_path / "file").write_text("x")
     with pytest.raises(UserError, match="is a file"):
         start(path, f"output.dir={tmp_path / 'file'}")
+    with pytest.raises(UserError, match="cannot be created or written"):
+        start(path, f"output.dir={tmp_path / 'file' / 'run'}")
+    if Path("/proc/self").is_dir():  # a folder that no permission bit forbids, yet cannot hold one
+        with pytest.raises(UserError, match="cannot be created or written"):
+            start(path, "output.dir=/proc/ligertune-run")
     if os.geteuid() != 0:  # root writes anywhere
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)

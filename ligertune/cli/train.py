@@ -12,7 +12,6 @@ import typer
 from rich.console import Console
 
 from ligertune.cli.options import RecipeArg, SetOpt
-from ligertune.distributed import is_main_process, launch, topology_from_environment
 from ligertune.errors import UserError
 
 
@@ -45,6 +44,7 @@ def train(
 
     Example: [bold]ligertune train recipes/quickstart.yaml --set optim.lr=1e-3 --max-steps 50[/]
     """
+    from ligertune.distributed import is_main_process, launch, topology_from_environment
     from ligertune.recipe import load_recipe
     from ligertune.training import train as run_training
     from ligertune.training.trainer import RunInterrupted

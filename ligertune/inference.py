@@ -33,7 +33,7 @@ import torch
 from transformers import GenerationConfig, TextStreamer
 
 from ligertune.devices import resolve_device, resolve_dtype
-from ligertune.errors import UserError
+from ligertune.errors import UserError, first_line
 from ligertune.recipe import ModelConfig, Recipe
 from ligertune.training.checkpoint import CHECKPOINTS, checkpoint_steps
 
@@ -146,7 +146,7 @@ def load_tokenizer_for(source: ModelSource, recipe: Recipe | None = None):
         try:
             return AutoTokenizer.from_pretrained(source.model_dir)
         except (OSError, ValueError, KeyError) as err:
-            raise UserError(f"{source.model_dir}: cannot load its tokenizer: {_first_line(err)}") from None
+            raise UserError(f"{source.model_dir}: cannot load its tokenizer: {first_line(err)}") from None
     if recipe is not None:
         from ligertune.models import load_tokenizer
 
@@ -163,7 +163,7 @@ def base_model_config(source: ModelSource, recipe: Recipe | None) -> tuple[Model
         base = json.loads((source.model_dir / ADAPTER_CONFIG).read_text(encoding="utf-8")).get(
             "base_model_name_or_path")
     except (OSError, ValueError) as err:
-        raise UserError(f"{source.model_dir / ADAPTER_CONFIG}: cannot read: {_first_line(err)}") from None
+        raise UserError(f"{source.model_dir / ADAPTER_CONFIG}: cannot read: {first_line(err)}") from None
     if not base:
         raise UserError(
             f"{source.path}: LoRA adapters without their base model: no run recipe.yaml above them and "
@@ -187,7 +187,7 @@ def load_base_with_adapters(source: ModelSource, *, device: torch.device, dtype:
             model = PeftModel.from_pretrained(base, source.model_dir, is_trainable=False)
     except (OSError, ValueError, KeyError, RuntimeError) as err:
         raise UserError(f"{source.model_dir}: cannot apply the adapters to their base model: "
-                        f"{_first_line(err)}") from None
+                        f"{first_line(err)}") from None
     return model.to(device).eval()
 
 
@@ -200,7 +200,7 @@ def load_full_model(model_dir: Path, *, device: torch.device, dtype: torch.dtype
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
                                                      trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as err:
-        raise UserError(f"{model_dir}: cannot load the model: {_first_line(err)}") from None
+        raise UserError(f"{model_dir}: cannot load the model: {first_line(err)}") from None
     return model.to(device).eval()
 
 
@@ -262,7 +262,7 @@ def render_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as err:  # jinja2's TemplateError, raised by the template itself (e.g. "no system role")
-        raise UserError(f"the chat template refused the conversation: {_first_line(err)}") from None
+        raise UserError(f"the chat template refused the conversation: {first_line(err)}") from None
     # The template writes its own special tokens (BOS included); adding them again would double them.
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -358,11 +358,6 @@ def _seeded(seed: int | None, device: torch.device) -> Iterator[None]:
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         yield
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 class ChatSession:

@@ -16,6 +16,8 @@ input embedding or not) is gathered by the root's hooks around the head's forwar
 
 from __future__ import annotations
 
+import contextlib
+
 import datetime
 import os
 from dataclasses import dataclass
@@ -201,6 +203,15 @@ def shard(head: nn.Module, decoder_layers: Sequence[nn.Module], *, strategy: str
             # A plain SUM: gloo has no pre-multiplied sum, and a divide factor of 1 needs none.
             module.set_force_sum_reduction_for_comms(True)
     return head
+
+
+def accumulating(engine: nn.Module, *, last: bool):
+    """The context of one micro-batch's backward: DDP reduces the gradients after the step's last
+    micro-batch only (reducing after each would add the earlier ones' sum again with every later
+    one). FSDP2 reduce-scatters each micro-batch's gradient into the sharded sum, which is exact."""
+    if not last and hasattr(engine, "no_sync"):
+        return engine.no_sync()
+    return contextlib.nullcontext()
 
 
 def _sum_gradients(state, bucket):

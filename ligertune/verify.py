@@ -10,6 +10,13 @@ For a sample of the recipe's conversations and the recipe's model, and for each 
 - naive variants (no attention isolation, no position restart, plain concatenation, the wrong
   normalization) show the size of the error that the ligertune paths avoid.
 
+Started in several processes (`--nproc N`, or under `torchrun`), every process also runs the cases
+above, and then the step is dealt out: each process takes an equal share of the conversations and
+runs it through the model sharded as training shards it (`distributed.strategy`), with the step's
+counts summed over the processes and the gradients summed by the sharding; the loss summed over the
+processes and the whole gradients are compared with the same reference. The naive variant there
+normalizes each process by its own tokens and averages the processes, as plain data parallelism does.
+
 Each case is compared with the reference on the loss (cross-entropy plus z-loss: the objective that
 is differentiated) and on the gradient of every trainable parameter.
 """
@@ -25,13 +32,24 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from ligertune.data import Batch, TokenizedExample, collate, collate_padded, pack, packs_of_one, prepare_data
+from ligertune.distributed import (
+    Topology,
+    accumulating,
+    all_reduce_sum,
+    full_tensor,
+    init_process_group,
+    shard,
+    split_packs,
+    together,
+    topology_from_environment,
+)
 from ligertune.errors import UserError
-from ligertune.models import CausalLMLoss, load_tokenizer, unpatch_model
+from ligertune.models import decoder_of, load_tokenizer, unpatch_model
 from ligertune.numerics import relative_error
 from ligertune.recipe import LossConfig, Recipe
 from ligertune.training.build import build_device, build_head, build_model, patch_kernels
 from ligertune.training.loss_weights import step_token_weights
-from ligertune.training.trainer import pad_token_id
+from ligertune.training.trainer import pad_token_id, strategy
 
 MODES = ("token", "sequence", "sum")
 
@@ -70,6 +88,7 @@ class Report:
     device: str
     samples: int
     tolerances: tuple[float, float]
+    processes: int = 1
 
     @property
     def passed(self) -> bool:
@@ -94,16 +113,29 @@ def verify_loss(recipe: Recipe, *, samples: int = 8, modes: Sequence[str] = ("to
         raise UserError(f"--modes: unknown mode {unknown[0]!r} (expected {', '.join(MODES)})")
     if samples < 2:
         raise UserError(f"--samples: at least 2 conversations are needed to pack, got {samples}")
+    topology = topology_from_environment()
+    if samples % topology.world_size:
+        raise UserError(f"--samples: {samples} conversations do not split evenly over "
+                        f"{topology.world_size} processes; use a multiple of {topology.world_size}")
     device = build_device(recipe.train)
-    tokenizer = load_tokenizer(recipe.model)
-    data = prepare_data(recipe.data, tokenizer, seed=recipe.train.seed, show_progress=False)
-    examples = sample_conversations(data.train, samples, recipe.train.seed)
-    if len(examples) < 2:
-        raise UserError("data: fewer than 2 trainable conversations to compare")
+    if topology.distributed:
+        device = init_process_group(topology, device.type, timeout_minutes=recipe.distributed.timeout_minutes)
 
-    # Built unpatched: the reference runs the model as transformers defines it; each mode's
-    # ligertune cases patch it with the recipe's kernels.
-    built = build_model(recipe, device=device, vocab_size=len(tokenizer), kernels=False)
+    def build() -> tuple:
+        tokenizer = load_tokenizer(recipe.model)
+        data = prepare_data(recipe.data, tokenizer, seed=recipe.train.seed, show_progress=False)
+        examples = sample_conversations(data.train, samples, recipe.train.seed)
+        examples = examples[: len(examples) - len(examples) % topology.world_size]
+        if len(examples) < max(2, topology.world_size):
+            raise UserError(f"data: {len(examples)} trainable conversations, too few to compare "
+                            f"over {topology.world_size} process(es)")
+        # Built unpatched: the reference runs the model as transformers defines it; the ligertune
+        # cases patch it with the recipe's kernels. The same seed gives every process the same weights.
+        torch.manual_seed(recipe.train.seed)
+        built = build_model(recipe, device=device, vocab_size=len(tokenizer), kernels=False)
+        return tokenizer, examples, built
+
+    tokenizer, examples, built = together(build)
     model, dtype = built.module, built.dtype
     if recipe.lora is not None:
         perturb_lora(model, recipe.train.seed)
@@ -111,30 +143,20 @@ def verify_loss(recipe: Recipe, *, samples: int = 8, modes: Sequence[str] = ("to
     loss_cfg = recipe.loss
     head = build_head(model, recipe.kernels, loss_cfg)
     pad_id = pad_token_id(tokenizer)
-    loss_tol, grad_tol = TOLERANCES.get(dtype, TOLERANCES[torch.bfloat16])
+    tolerances = TOLERANCES.get(dtype, TOLERANCES[torch.bfloat16])
     max_len = max(len(e.input_ids) for e in examples)
     total = sum(len(e.input_ids) for e in examples)
     # Capacity for about four packs, so that the packed step can also be cut into micro-batches.
-    packs = pack(examples, max(max_len, math.ceil(total / 4)))
+    capacity = max(max_len, math.ceil(total / 4))
+    packs = pack(examples, capacity)
     singles = packs_of_one(examples)
 
     cases: list[Case] = []
+    references: dict[str, LossAndGrads] = {}
     for mode in modes:
         with reference_model(model):
-            reference = run_reference(model, examples, pad_id, loss_cfg, mode, device)
-
-        def compare(name: str, kind: str, micro: list[Batch], *, isolate: bool = True,
-                    restart: bool = True, weighting: Callable | None = None) -> None:
-            # Without isolation the model gets transformers' own attention: the packed attention
-            # would otherwise still keep conversations apart by their restarting position ids.
-            with contextlib.nullcontext() if isolate else reference_model(model):
-                outcome = run_candidate(head, micro, loss_cfg, mode, device, isolate=isolate,
-                                        restart=restart, weighting=weighting)
-            diff = abs(outcome.loss - reference.loss)
-            err = relative_error(outcome.grads, reference.grads)
-            ok = diff <= loss_tol * max(1.0, abs(reference.loss)) and err <= grad_tol
-            cases.append(Case(name, kind, mode, reference.loss, outcome.loss, diff, err, ok))
-
+            references[mode] = reference = run_reference(model, examples, pad_id, loss_cfg, mode, device)
+        compare = Comparison(head, head.model, reference, loss_cfg, mode, device, tolerances, cases)
         patch_kernels(model, recipe.kernels)
         try:
             whole = [collate(packs)]
@@ -142,20 +164,65 @@ def verify_loss(recipe: Recipe, *, samples: int = 8, modes: Sequence[str] = ("to
             compare(f"packed {len(packs)}, {len(packs)} micro-batches", "ligertune", [collate([p]) for p in packs])
             compare(f"unpacked, 1x{len(singles)}", "ligertune", [collate(singles)])
             compare(f"unpacked, {len(singles)}x1", "ligertune", [collate([s]) for s in singles])
-            compare("no attention isolation", "naive", whole, isolate=False)
+            # Without isolation the model gets transformers' own attention: the packed attention
+            # would otherwise still keep conversations apart by their restarting position ids.
+            with reference_model(model):
+                compare("no attention isolation", "naive", whole, isolate=False)
+                compare("plain concatenation", "naive", whole, isolate=False, restart=False)
             compare("no position restart", "naive", whole, restart=False)
-            compare("plain concatenation", "naive", whole, isolate=False, restart=False)
             if mode == "sequence":
                 compare("token mean for sequence", "naive", whole,
-                        weighting=lambda targets, seq_ids: step_token_weights(targets, seq_ids, "token",
-                                                                              ignore_index=loss_cfg.ignore_index))
+                        weighting=lambda targets, seq_ids: step_token_weights(targets, seq_ids, "token", ignore_index=loss_cfg.ignore_index,
+                                                           across_ranks=False))
             if mode == "token":
                 compare(f"mean per micro-batch, {len(singles)}x1", "naive",
                         [collate([s]) for s in singles],
                         weighting=lambda targets, seq_ids: per_micro_batch_mean(targets, loss_cfg.ignore_index))
         finally:
             unpatch_model(model)
-    return Report(cases, str(dtype).removeprefix("torch."), device.type, len(examples), (loss_tol, grad_tol))
+    if topology.distributed:
+        patch_kernels(model, recipe.kernels)
+        engine = shard(head, decoder_of(model).layers, strategy=strategy(recipe), device=device,
+                       mixed_precision=None)
+        share = [examples[i] for i in split_packs(range(len(examples)), topology.world_size,
+                                                   length=lambda i: len(examples[i]))[topology.rank]]
+        world = topology.world_size
+        for mode in modes:
+            compare = Comparison(engine, model, references[mode], loss_cfg, mode, device, tolerances, cases,
+                                 topology=topology)
+            compare(f"{world} processes, packed, 1 micro-batch each", "ligertune", [collate(pack(share, capacity))])
+            compare(f"{world} processes, {len(share)}x1 each", "ligertune", [collate([s]) for s in packs_of_one(share)])
+            if mode == "token":
+                compare(f"{world} processes, mean per process", "naive", [collate(packs_of_one(share))],
+                        weighting=lambda targets, seq_ids: per_process_mean(targets, loss_cfg.ignore_index, world))
+    return Report(cases, str(dtype).removeprefix("torch."), device.type, len(examples), tolerances,
+                  processes=topology.world_size)
+
+
+@dataclass
+class Comparison:
+    """Runs one way of computing the step and records how it compares with `reference`."""
+
+    engine: Callable  # the loss head, or the head made data-parallel
+    model: torch.nn.Module  # whose trainable parameters' gradients are compared
+    reference: LossAndGrads
+    cfg: LossConfig
+    mode: str
+    device: torch.device
+    tolerances: tuple[float, float]
+    cases: list[Case]
+    topology: Topology | None = None  # set: the loss and gradients are summed over the processes
+
+    def __call__(self, name: str, kind: str, micro: list[Batch], *, isolate: bool = True, restart: bool = True,
+                 weighting: Callable | None = None) -> None:
+        outcome = run_candidate(self.engine, self.model, micro, self.cfg, self.mode, self.device,
+                                isolate=isolate, restart=restart, weighting=weighting,
+                                distributed=self.topology is not None)
+        loss_tol, grad_tol = self.tolerances
+        diff = abs(outcome.loss - self.reference.loss)
+        err = relative_error(outcome.grads, self.reference.grads)
+        ok = diff <= loss_tol * max(1.0, abs(self.reference.loss)) and err <= grad_tol
+        self.cases.append(Case(name, kind, self.mode, self.reference.loss, outcome.loss, diff, err, ok))
 
 
 def sample_conversations(examples: list[TokenizedExample], n: int, seed: int) -> list[TokenizedExample]:
@@ -226,31 +293,34 @@ def run_reference(model: torch.nn.Module, examples: list[TokenizedExample], pad_
     return LossAndGrads(loss.item(), collect_grads(model))
 
 
-def run_candidate(head: CausalLMLoss, micro: list[Batch], cfg: LossConfig, mode: str, device: torch.device, *,
-                  isolate: bool, restart: bool, weighting: Callable | None) -> LossAndGrads:
+def run_candidate(engine: Callable, model: torch.nn.Module, micro: list[Batch], cfg: LossConfig, mode: str,
+                  device: torch.device, *, isolate: bool, restart: bool, weighting: Callable | None,
+                  distributed: bool = False) -> LossAndGrads:
     micro = [b.to(device) for b in micro]
     targets = [b.targets for b in micro]
     seq_ids = [b.seq_ids for b in micro]
     if weighting is None:
-        weights = step_token_weights(targets, seq_ids, mode, ignore_index=cfg.ignore_index)
+        weights = step_token_weights(targets, seq_ids, mode, ignore_index=cfg.ignore_index, across_ranks=distributed)
     else:
         weights = weighting(targets, seq_ids)
-    head.zero_grad(set_to_none=True)
-    total = 0.0
-    for batch, w in zip(micro, weights):
+    model.zero_grad(set_to_none=True)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for i, (batch, w) in enumerate(zip(micro, weights)):
         position_ids = batch.position_ids if restart else torch.arange(
             batch.num_tokens, device=device).unsqueeze(0)
         if isolate:
-            out = head(batch.input_ids, position_ids, batch.targets, w, cu_seqlens=batch.cu_seqlens,
-                       max_seqlen=batch.max_seqlen)
+            boundaries = {"cu_seqlens": batch.cu_seqlens, "max_seqlen": batch.max_seqlen}
         else:
             # An explicit all-ones mask: without any mask, transformers itself infers the
             # conversations from restarting position ids and would isolate them after all.
-            out = head(batch.input_ids, position_ids, batch.targets, w,
-                       attention_mask=torch.ones_like(batch.input_ids))
-        out.loss.backward()
-        total += out.loss.item()
-    return LossAndGrads(total, collect_grads(head.model))
+            boundaries = {"attention_mask": torch.ones_like(batch.input_ids)}
+        with accumulating(engine, last=i == len(micro) - 1):
+            out = engine(batch.input_ids, position_ids, batch.targets, w, **boundaries)
+            out.loss.backward()
+        total += out.loss.detach().double()
+    if distributed:
+        total = all_reduce_sum(total)
+    return LossAndGrads(total.item(), collect_grads(model))
 
 
 def per_micro_batch_mean(targets: list[torch.Tensor], ignore_index: int) -> list[torch.Tensor]:
@@ -262,9 +332,19 @@ def per_micro_batch_mean(targets: list[torch.Tensor], ignore_index: int) -> list
     return weights
 
 
+def per_process_mean(targets: list[torch.Tensor], ignore_index: int, world_size: int) -> list[torch.Tensor]:
+    """Each process normalized by its own token count, then the processes averaged: what plain data
+    parallelism (a per-process mean loss, gradients averaged) computes."""
+    supervised = [(t != ignore_index).float() for t in targets]
+    count = sum(s.sum() for s in supervised).clamp(min=1)
+    return [s / count / world_size for s in supervised]
+
+
 def collect_grads(model: torch.nn.Module) -> torch.Tensor:
+    """Every trainable parameter's gradient, whole (gathered from the shards), flattened, float32."""
     grads = [
-        (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().reshape(-1)
+        full_tensor(p.grad).detach().float().reshape(-1) if p.grad is not None
+        else torch.zeros(p.numel(), device=p.device)
         for p in model.parameters() if p.requires_grad
     ]
     return torch.cat(grads)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Annotated
 
 import typer
@@ -11,6 +12,7 @@ from rich import box
 from rich.table import Table
 
 from ligertune.cli.options import JsonOpt, RecipeArg, SetOpt
+from ligertune.errors import UserError
 
 
 def verify_loss(
@@ -21,24 +23,43 @@ def verify_loss(
     modes: Annotated[
         str, typer.Option("--modes", help="Normalization modes to check, comma-separated: token,sequence,sum.")
     ] = "token,sequence",
+    nproc: Annotated[
+        int,
+        typer.Option("--nproc", min=1, help="Also deal the step out to N processes, sharded as `train --nproc N` does."),
+    ] = 1,
 ) -> None:
     """Compare ligertune's packed and accumulated loss and gradients with each conversation run alone.
 
     Exits 0 when every ligertune case passes, 1 otherwise; the naive cases show the error avoided.
 
-    Example: [bold]ligertune verify-loss recipes/quickstart.yaml --modes token,sequence --samples 8[/]
+    Example: [bold]ligertune verify-loss recipes/quickstart.yaml --modes token,sequence --samples 8 --nproc 2[/]
     """
+    from ligertune.distributed import destroy_process_group, is_main_process, launch
     from ligertune.recipe import load_recipe
     from ligertune.verify import verify_loss as run
 
-    loaded = load_recipe(recipe, list(set_ or []))
-    report = run(loaded, samples=samples, modes=[m.strip() for m in modes.split(",") if m.strip()])
+    overrides = list(set_ or [])
+    loaded = load_recipe(recipe, overrides)
+    if nproc > 1 and "RANK" not in os.environ:  # not yet started by torchrun
+        if samples % nproc:
+            raise UserError(f"--samples: {samples} conversations do not split evenly over {nproc} processes; "
+                            f"use a multiple of {nproc}")
+        command = ["verify-loss", str(recipe), *(arg for o in overrides for arg in ("--set", o)),
+                   "--samples", str(samples), "--modes", modes, *(["--json"] if json_ else [])]
+        raise typer.Exit(launch(nproc, command))
+    try:
+        report = run(loaded, samples=samples, modes=[m.strip() for m in modes.split(",") if m.strip()])
+    finally:
+        destroy_process_group()
+    if not is_main_process():
+        raise typer.Exit(0 if report.passed else 1)
     if json_:
         print(json.dumps(report.to_json(), indent=2))
     else:
         loss_tol, grad_tol = report.tolerances
         table = Table(
-            title=f"verify-loss: {report.samples} conversations, {report.dtype} on {report.device} "
+            title=f"verify-loss: {report.samples} conversations, {report.dtype} on {report.device}"
+            + (f" x {report.processes} processes" if report.processes > 1 else "") + " "
             f"(tolerances: loss {loss_tol:g} relative, gradient {grad_tol:g} relative)",
             title_justify="left",
             box=box.SIMPLE_HEAD,

@@ -28,19 +28,21 @@ def step_token_weights(
     mode: Normalization,
     *,
     ignore_index: int = -100,
+    across_ranks: bool = True,
 ) -> list[torch.Tensor]:
     """Weights w_t (float32, shaped like each micro-batch's targets) for one optimizer step.
 
     `targets[i]` and `seq_ids[i]` belong to micro-batch i; `seq_ids` numbers the conversations of a
     micro-batch (a conversation never spans two micro-batches) and is needed by `sequence` only.
-    Ignored tokens get weight 0. When
-    torch.distributed is initialized, |T| and |S| are summed over the ranks.
+    Ignored tokens get weight 0. When torch.distributed is initialized (and `across_ranks`), |T|
+    and |S| are summed over the ranks.
     """
+    total = _global_sum if across_ranks else (lambda value: value)
     supervised = [t.reshape(-1) != ignore_index for t in targets]
     if mode == "sum":
         return [s.float().reshape(t.shape) for s, t in zip(supervised, targets)]
     if mode == "token":
-        n_tokens = _global_sum(sum(s.sum() for s in supervised))
+        n_tokens = total(sum(s.sum() for s in supervised))
         scale = 1.0 / n_tokens.clamp(min=1).float()
         return [(s.float() * scale).reshape(t.shape) for s, t in zip(supervised, targets)]
     if mode == "sequence":
@@ -53,7 +55,7 @@ def step_token_weights(
             counts = torch.bincount(ids[s], minlength=int(ids.max().item()) + 1 if ids.numel() else 0)
             per_conversation.append(counts)
             n_sequences = n_sequences + (counts > 0).sum()
-        n_sequences = _global_sum(n_sequences)
+        n_sequences = total(n_sequences)
         weights = []
         for s, ids, counts, t in zip(supervised, seq_ids, per_conversation, targets):
             ids = ids.reshape(-1)

@@ -46,6 +46,7 @@ from ligertune.data import IGNORE_INDEX, Batch, Pack, PaddedBatch, TokenizedExam
 from ligertune.devices import resolve_dtype
 from ligertune.distributed import (
     Topology,
+    accumulating,
     all_reduce_max,
     all_reduce_sum,
     destroy_process_group,
@@ -668,14 +669,15 @@ def forward_backward(run: Run, batches: list[Batch | PaddedBatch], *, backward: 
         ignore_index=loss_cfg.ignore_index,
     )
     totals = {name: torch.zeros((), device=run.device) for name in ("loss", "z_loss", "n_correct", "n_tokens")}
-    for batch, w in zip(batches, weights):
+    for i, (batch, w) in enumerate(zip(batches, weights)):
         if isinstance(batch, Batch):
             boundaries = {"cu_seqlens": batch.cu_seqlens, "max_seqlen": batch.max_seqlen}
         else:
             boundaries = {"attention_mask": batch.attention_mask}
-        out = run.engine(batch.input_ids, batch.position_ids, batch.targets, w, **boundaries)
-        if backward:
-            out.loss.backward()
+        with accumulating(run.engine, last=i == len(batches) - 1):
+            out = run.engine(batch.input_ids, batch.position_ids, batch.targets, w, **boundaries)
+            if backward:
+                out.loss.backward()
         totals["loss"] += out.loss.detach().float()
         totals["z_loss"] += out.z_loss.detach().float()
         totals["n_correct"] += out.n_correct

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -60,19 +61,20 @@ def test_split_packs_gives_each_rank_as_many_packs_with_balanced_tokens():
         split_packs(lengths[:3], 2, length=lambda n: n)
 
 
-@pytest.mark.parametrize("setting", [
-    pytest.param([], id="full-fsdp"),
-    pytest.param(["distributed.strategy=ddp"], id="full-ddp"),
-    pytest.param(["lora.r=4", "lora.alpha=8"], id="lora-fsdp"),
+@pytest.mark.parametrize("setting, accumulation", [
+    pytest.param([], 2, id="full-fsdp"),
+    pytest.param(["distributed.strategy=ddp"], 2, id="full-ddp"),
+    pytest.param(["distributed.strategy=ddp"], 4, id="full-ddp-accumulating"),
+    pytest.param(["lora.r=4", "lora.alpha=8"], 2, id="lora-fsdp"),
 ])
-def test_two_processes_give_the_loss_and_gradients_of_one(tmp_path: Path, setting: list[str]):
-    """1 process x accumulation 2 == 2 processes x 1, for every normalization (z-loss and label
+def test_two_processes_give_the_loss_and_gradients_of_one(tmp_path: Path, setting: list[str], accumulation: int):
+    """1 process x accumulation A == 2 processes x A/2, for every normalization (z-loss and label
     smoothing on): the loss and every gradient within 1e-5."""
-    path = write_recipe(tmp_path, train={"micro_batch_size": 2, "grad_accum_steps": 2},
+    path = write_recipe(tmp_path, train={"micro_batch_size": 2, "grad_accum_steps": accumulation},
                         model={"config": {**TINY_MODEL, "tie_word_embeddings": True}})
     overrides = [*LOSS, *setting]
     result = torchrun(str(HERE / "distributed_step.py"), str(path), str(tmp_path / "two.pt"),
-                      *overrides, "train.grad_accum_steps=1")
+                      *overrides, f"train.grad_accum_steps={accumulation // 2}")
     assert result.returncode == 0, result.stderr[-3000:]
     two = torch.load(tmp_path / "two.pt", weights_only=True)
     one = step_gradients(str(path), overrides, tmp_path / "one")
@@ -159,3 +161,28 @@ def test_a_mistake_under_two_processes_is_reported_once_with_exit_2(tmp_path: Pa
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.count("error:") == 1 and "missing.jsonl" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("sections, modes", [
+    ({}, "token,sequence,sum"),
+    ({"lora": {"r": 4, "alpha": 8}, "distributed": {"strategy": "ddp"}}, "token"),
+], ids=["full-fsdp", "lora-ddp"])
+def test_verify_loss_deals_the_step_to_two_processes(tmp_path: Path, sections: dict, modes: str):
+    recipe = write_recipe(tmp_path, loss={"z_loss_weight": 1e-3, "label_smoothing": 0.1}, **sections)
+    result = ligertune("verify-loss", str(recipe), "--nproc", "2", "--samples", "6", "--modes", modes, "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)  # printed once, by the first process
+    assert report["pass"] is True
+    dealt = [c for c in report["cases"] if c["name"].startswith("2 processes")]
+    ligertune_cases = [c for c in dealt if c["kind"] == "ligertune"]
+    assert len(ligertune_cases) == 2 * len(modes.split(","))
+    assert all(c["pass"] and c["grad_rel_err"] <= 1e-4 for c in ligertune_cases)
+    # Each process normalizing by its own tokens (plain data parallelism) is caught.
+    naive = next(c for c in dealt if c["name"] == "2 processes, mean per process")
+    assert not naive["pass"] and naive["grad_rel_err"] > 1e-2
+
+
+def test_verify_loss_samples_must_split_over_the_processes(tmp_path: Path):
+    result = ligertune("verify-loss", str(write_recipe(tmp_path)), "--nproc", "2", "--samples", "5")
+    assert result.returncode == 2
+    assert "--samples: 5 conversations do not split evenly over 2 processes" in result.stderr

@@ -3,6 +3,7 @@
 Every variant's model is built by `ligertune.training.build`, the builder `ligertune train` uses:
 the recipe's model (`model.config` with random weights, or a pretrained one) in its dtype, with its
 gradient checkpointing, its LoRA adapters when the recipe has `lora` (the peers then run HF + peft),
+its base quantized when it has `model.quantization` (QLoRA: every variant alike, peers included),
 and its AdamW (fused on CUDA). A synthetic batch of `train.micro_batch_size` rows of
 `data.max_seq_len` random tokens then goes through one training step (forward, backward, gradient
 clipping when `optim.max_grad_norm` is set, optimizer step), for each of:
@@ -25,13 +26,9 @@ throughput counts real tokens only.
 
 Warm-up steps are not timed. Per row: median step time, tokens per second, peak memory (CUDA:
 `max_memory_allocated` over the timed steps: weights, gradients, optimizer state and activations)
-and MFU: model flops over the device's peak bf16 rate, with
-
-    model flops per step = 6 * P * tokens + 6 * layers * heads * head_dim * sum_s len_s^2
-
-P counts the parameters that multiply activations (the input embedding only when tied to the
-output layer); the second term is causal attention, forward and backward, over each sequence s.
-Recomputation under gradient checkpointing is not counted (it is overhead, not model work). The
+and MFU: the step's model flops (`ligertune.flops`: 6 flops per token and weight for full
+fine-tuning, 4 for a frozen weight, plus causal attention within each sequence; recomputation under
+gradient checkpointing not counted) over the device's peak bf16 rate. The
 peak is the data-sheet dense bf16 rate of known GPUs (989 TFLOP/s for the H100 SXM) and, as a
 second reading, the rate of a large bf16 matmul measured once on the device.
 """
@@ -55,24 +52,10 @@ from ligertune.bench.results import describe_error
 from ligertune.bench.timing import measure
 from ligertune.devices import device_name, release_memory, resolve_device, resolve_dtype, synchronize
 from ligertune.errors import UserError
+from ligertune.flops import StepFlops, device_peak_tflops
 from ligertune.recipe import Recipe
 from ligertune.training.loss_weights import step_token_weights
 
-PEAK_BF16_TFLOPS = (
-    # (substring of the device name, dense bf16 TFLOP/s from the data sheet); first match wins.
-    ("H100 PCIe", 756.0),
-    ("H100 NVL", 835.0),
-    ("H100", 989.0),
-    ("H200", 989.0),
-    ("H800", 989.0),
-    ("GH200", 989.0),
-    ("B200", 2250.0),
-    ("A100", 312.0),
-    ("A800", 312.0),
-    ("L40S", 362.0),
-    ("A10G", 70.0),
-    ("4090", 165.0),
-)
 
 LIGERTUNE = "ligertune"
 HF = "HF (sdpa)"
@@ -167,7 +150,7 @@ def run_step_bench(
 
     peak = config.peak_tflops
     if peak is None and device.type == "cuda":
-        peak = _spec_peak_tflops(torch.cuda.get_device_name(device))
+        peak = device_peak_tflops(device)
     matmul = None
     if device.type == "cuda" and config.measure_matmul:
         log("measuring a bf16 matmul for the achievable peak")
@@ -422,7 +405,8 @@ class _StepBench:
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
         return StepRow(
             name, layout, steps=n_timed * (len(steps) if per_pass else 1), tokens=tokens, step_ms=ms,
-            tokens_per_s=tokens / (ms * 1e-3), peak_mem_gib=peak, flops=model_flops(model, tokens, seq_lens),
+            tokens_per_s=tokens / (ms * 1e-3), peak_mem_gib=peak,
+            flops=StepFlops.of(model)(tokens, sum(n * n for n in seq_lens)),
         )
 
 
@@ -477,41 +461,19 @@ def token_mean_weights(targets: torch.Tensor, ignore_index: int) -> torch.Tensor
 
 
 def model_summary(model) -> dict[str, Any]:
-    cfg = model.config
+    cfg, flops = model.config, StepFlops.of(model)
     return {
         "type": type(model).__name__,
         "params": sum(p.numel() for p in model.parameters()),
         "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
-        "matmul_params": matmul_params(model),
+        "matmul_params": flops.matmul_params,
+        "trained_matmul_params": flops.trained_matmul_params,
         "vocab_size": int(cfg.vocab_size),
         "hidden_size": int(cfg.hidden_size),
-        "layers": int(cfg.num_hidden_layers),
-        "heads": int(cfg.num_attention_heads),
-        "head_dim": int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads),
+        "layers": flops.layers,
+        "heads": flops.heads,
+        "head_dim": flops.head_dim,
     }
-
-
-def matmul_params(model) -> int:
-    """Parameters that multiply activations: all of them but an untied input embedding (a lookup)."""
-    total = sum(p.numel() for p in model.parameters())  # a tied weight is listed once
-    embedding = model.get_input_embeddings().weight
-    output = model.get_output_embeddings()
-    tied = output is not None and output.weight is embedding
-    return total if tied else total - embedding.numel()
-
-
-def model_flops(model, tokens: int, seq_lens: list[int]) -> float:
-    """6 P tokens + causal attention (forward + backward) over the sequences; see the module docstring."""
-    info = model_summary(model)
-    attention = 6.0 * info["layers"] * info["heads"] * info["head_dim"] * sum(n * n for n in seq_lens)
-    return 6.0 * info["matmul_params"] * tokens + attention
-
-
-def _spec_peak_tflops(name: str) -> float | None:
-    for key, value in PEAK_BF16_TFLOPS:
-        if key in name:
-            return value
-    return None
 
 
 def matmul_tflops(device: torch.device, n: int = 8192) -> float:

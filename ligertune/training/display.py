@@ -18,6 +18,10 @@ def format_metrics(record: dict) -> str:
     parts.append(f"lr {record['lr']:.2e}")
     parts.append(f"grad {record['grad_norm']:.3f}")
     parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
+    if record.get("spikes"):
+        parts.append(f"spikes {record['spikes']}")
+    if record.get("mfu") is not None:
+        parts.append(f"MFU {record['mfu']:.0%}")
     if record.get("peak_mem_gib"):
         parts.append(f"mem {record['peak_mem_gib']:.1f} GiB")
     return "  ".join(parts)

@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ligertune.data import IGNORE_INDEX, Batch, Pack, PaddedBatch, TokenizedExample, collate, collate_padded
 from ligertune.devices import resolve_dtype
+from ligertune.flops import StepFlops, device_peak_tflops
 from ligertune.distributed import (
     Topology,
     accumulating,
@@ -119,6 +120,8 @@ class StepStats:
     """Supervised (trained) tokens."""
     real_tokens: int
     """Non-padding tokens that went through the model."""
+    flops: float
+    """The step's model flops (`ligertune.flops`), every rank's together."""
     lr: float
     grad_norm: float
     skipped: str | None = None
@@ -154,6 +157,7 @@ class Run:
     resume_command: str = "ligertune train RECIPE --resume"
     trainable: list[torch.nn.Parameter] = field(init=False)
     """The parameters the optimizer updates (listed once: the step clips them every time)."""
+    step_flops: StepFlops = field(init=False)
 
     def __post_init__(self) -> None:
         if self.stream is None:
@@ -161,6 +165,7 @@ class Run:
         if self.engine is None:
             self.engine = self.head
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.step_flops = StepFlops.of(self.model)
 
     @property
     def eval_examples(self) -> list[TokenizedExample]:
@@ -280,7 +285,8 @@ def setup(recipe: Recipe, console: Console, *, resume: str | Path | None = None,
     run = Run(
         recipe=recipe, device=device, console=console, tokenizer=tokenizer, model=model, head=head,
         optimizer=optimizer, scheduler=scheduler, data=data, total_steps=steps, output_dir=output_dir,
-        metrics=metrics, meter=Throughput(device, clock), lock=lock, topology=topology, engine=engine,
+        metrics=metrics, meter=Throughput(device, clock, peak_tflops=cluster_peak_tflops(device, topology)),
+        lock=lock, topology=topology, engine=engine,
         reporters=reporters,
     )
     describe_run(run, mixed_precision or built.dtype, built.patches.describe() if built.patches else "none")
@@ -418,11 +424,13 @@ def train_step(run: Run, batches: list[Batch | PaddedBatch]) -> StepStats:
     grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(run.trainable, max_norm))
     lr = run.scheduler.get_last_lr()[0]
     n_real = sum(real_tokens(b) for b in batches)
+    squares = sum(squared_lengths(b) for b in batches)
     numbers = [totals["loss"], totals["z_loss"], totals["n_correct"], totals["n_tokens"],
-               torch.as_tensor(n_real, device=run.device)]
+               torch.as_tensor(n_real, device=run.device), torch.as_tensor(squares, device=run.device)]
     # The step's numbers summed over the ranks, then one transfer to the host for all of them.
     summed = all_reduce_sum(torch.stack([x.double() for x in numbers]))
-    loss, z_loss, n_correct, n_tokens, n_real, norm = torch.cat([summed, grad_norm.double().reshape(1)]).tolist()
+    loss, z_loss, n_correct, n_tokens, n_real, squares, norm = torch.cat(
+        [summed, grad_norm.double().reshape(1)]).tolist()
     state = run.state
     finite = math.isfinite(loss) and math.isfinite(norm)
     if finite:
@@ -436,7 +444,8 @@ def train_step(run: Run, batches: list[Batch | PaddedBatch]) -> StepStats:
     state.step += 1
     stats = StepStats(
         loss=loss - z_loss, z_loss=z_loss, token_accuracy=n_correct / max(n_tokens, 1), tokens=int(n_tokens),
-        real_tokens=int(n_real), lr=lr, grad_norm=norm, skipped=None if finite else "nonfinite",
+        real_tokens=int(n_real), flops=run.step_flops(int(n_real), int(squares)), lr=lr, grad_norm=norm,
+        skipped=None if finite else "nonfinite",
     )
     if state.consecutive_skips >= run.recipe.train.max_skipped_steps:
         log(run, stats)
@@ -453,11 +462,11 @@ def train_step(run: Run, batches: list[Batch | PaddedBatch]) -> StepStats:
 def log(run: Run, stats: StepStats) -> dict | None:
     """Count the step's tokens; every `log_every` steps, at the last step and at every skipped step
     write its metrics record."""
-    run.meter.add(stats.real_tokens, stats.tokens)
+    run.meter.add(stats.real_tokens, stats.tokens, stats.flops)
     step = run.state.step
     if step % run.recipe.train.log_every and step != run.total_steps and not stats.skipped:
         return None
-    tokens_per_s, trained_tokens_per_s = run.meter.lap()
+    rates = run.meter.lap()
     record = {
         "step": step,
         "loss": stats.loss,
@@ -466,10 +475,12 @@ def log(run: Run, stats: StepStats) -> dict | None:
         "tokens": stats.tokens,
         "lr": stats.lr,
         "grad_norm": stats.grad_norm,
-        "tokens_per_s": tokens_per_s,
-        "trained_tokens_per_s": trained_tokens_per_s,
+        "tokens_per_s": rates.tokens_per_s,
+        "trained_tokens_per_s": rates.trained_tokens_per_s,
         "peak_mem_gib": peak_memory_gib(run.device),
     }
+    if rates.mfu is not None:
+        record["mfu"] = rates.mfu
     if stats.skipped:
         record["skipped"] = stats.skipped
     else:
@@ -647,6 +658,21 @@ def real_tokens(batch: Batch | PaddedBatch) -> int | torch.Tensor:
     if isinstance(batch, Batch):
         return batch.num_tokens
     return batch.attention_mask.sum()
+
+
+def squared_lengths(batch: Batch | PaddedBatch) -> int | torch.Tensor:
+    """The sum of the squared lengths of the batch's conversations, what causal attention costs
+    (a device tensor for a padded batch: counted without a sync)."""
+    if isinstance(batch, Batch):
+        lengths = batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]  # on the host
+        return int(lengths.long().square().sum())
+    return batch.attention_mask.sum(dim=1).square().sum()
+
+
+def cluster_peak_tflops(device: torch.device, topology: Topology) -> float | None:
+    """The peak of all the run's devices together, when the device's is known."""
+    peak = device_peak_tflops(device)
+    return peak * topology.world_size if peak else None
 
 
 def pad_token_id(tokenizer) -> int:

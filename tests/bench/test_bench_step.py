@@ -120,28 +120,6 @@ def test_synthetic_conversations_are_mixed_masked_and_bounded():
     assert [e.input_ids for e in again] == [e.input_ids for e in examples]
 
 
-@pytest.mark.parametrize("tied", [pytest.param(True, id="tied"), pytest.param(False, id="untied")])
-def test_model_flops(tied):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=101, hidden_size=16, intermediate_size=24, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
-    model = LlamaForCausalLM(config)
-    total = sum(p.numel() for p in model.parameters())
-    embedding = 101 * 16
-    assert bench_step.matmul_params(model) == (total if tied else total - embedding)
-    seq_lens = [10, 3, 7]
-    want = 6 * bench_step.matmul_params(model) * 20 + 6 * 3 * 4 * 4 * (100 + 9 + 49)
-    assert bench_step.model_flops(model, 20, seq_lens) == want
-
-
-def test_peak_lookup():
-    assert bench_step._spec_peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
-    assert bench_step._spec_peak_tflops("NVIDIA H100 PCIe") == 756.0
-    assert bench_step._spec_peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
-    assert bench_step._spec_peak_tflops("Some Future GPU") is None
-
-
 def test_restored_module_undoes_a_monkey_patch(monkeypatch):
     module = types.ModuleType("ligertune_bench_fake_modeling")
     module.apply = original = object()

@@ -12,7 +12,8 @@ from tiny_recipe import write_recipe
 import ligertune.training.trainer as trainer_module
 from ligertune.recipe import load_recipe
 from ligertune.training.checkpoint import read_metrics
-from ligertune.training.throughput import Throughput
+from ligertune.flops import StepFlops
+from ligertune.training.throughput import Rates, Throughput
 from ligertune.training.trainer import cleanup, evaluate, setup, train_loop
 
 
@@ -36,10 +37,20 @@ def test_throughput_excludes_the_time_set_apart():
     meter.add(real_tokens=1000, trained_tokens=600)
     clock.now += 2.0
     assert timing["seconds"] == 5.0
-    assert meter.lap() == (500.0, 250.0)  # 2000 and 1000 tokens over 4 s, not 9
+    assert meter.lap() == Rates(500.0, 250.0, None)  # 2000 and 1000 tokens over 4 s, not 9
     clock.now += 1.0
     meter.add(10, 5)
-    assert meter.lap() == (10.0, 5.0)  # a new window
+    assert meter.lap() == Rates(10.0, 5.0, None)  # a new window
+
+
+def test_mfu_is_the_window_flops_over_the_peak():
+    clock = FakeClock()
+    meter = Throughput(torch.device("cpu"), clock, peak_tflops=2.0)
+    meter.add(100, 50, flops=3e12)
+    clock.now += 1.0
+    meter.add(100, 50, flops=1e12)
+    clock.now += 1.0
+    assert meter.lap().mfu == pytest.approx(4e12 / 2.0 / 2e12)
 
 
 def test_train_reports_tokens_per_second_of_the_window(tmp_path: Path, monkeypatch):
@@ -49,10 +60,13 @@ def test_train_reports_tokens_per_second_of_the_window(tmp_path: Path, monkeypat
     steps_taken = []
     real_train_step = trainer_module.train_step
 
+    seq_lens = []  # of each step's conversations
+
     def timed_step(run, batches):
         stats = real_train_step(run, batches)
         clock.now += 0.5
         steps_taken.append(stats)
+        seq_lens.append([n for b in batches for n in (b.cu_seqlens[1:] - b.cu_seqlens[:-1]).tolist()])
         return stats
 
     def timed_evaluate(run):
@@ -61,6 +75,7 @@ def test_train_reports_tokens_per_second_of_the_window(tmp_path: Path, monkeypat
 
     monkeypatch.setattr(trainer_module, "train_step", timed_step)
     monkeypatch.setattr(trainer_module, "evaluate", timed_evaluate)
+    monkeypatch.setattr(trainer_module, "device_peak_tflops", lambda device: 1e-3)  # a device of 1 GFLOP/s
     path = write_recipe(tmp_path, train={"max_steps": 4, "log_every": 2, "eval_every": 1})
     run = setup(load_recipe(path), Console(quiet=True), clock=clock)
     try:
@@ -71,12 +86,18 @@ def test_train_reports_tokens_per_second_of_the_window(tmp_path: Path, monkeypat
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
     assert [r["step"] for r in train] == [2, 4]
-    for record, window in zip(train, (steps_taken[0:2], steps_taken[2:4])):
+    for record, window, lengths in zip(train, (steps_taken[0:2], steps_taken[2:4]), (seq_lens[0:2], seq_lens[2:4])):
         real = sum(s.real_tokens for s in window)
         trained = sum(s.tokens for s in window)
         assert record["tokens_per_s"] == pytest.approx(real / 1.0)
         assert record["trained_tokens_per_s"] == pytest.approx(trained / 1.0)
         assert trained < real
+        # Full fine-tuning of the tiny Llama: 6 flops per token and weight, plus attention.
+        flops = StepFlops.of(run.model)
+        assert sum(sum(step) for step in lengths) == real
+        want = 6 * flops.matmul_params * real + 6 * flops.layers * flops.heads * flops.head_dim * sum(
+            n * n for step in lengths for n in step)
+        assert record["mfu"] == pytest.approx(want / 1.0 / 1e9)
     assert all(r["eval_s"] == pytest.approx(3.0) for r in evals)
     # real tokens are the packs' tokens, with no padding
     assert sum(s.real_tokens for s in steps_taken) == sum(

@@ -54,6 +54,9 @@ def _field(default: Any = dataclasses.MISSING, doc: str = "", *, factory: Any = 
 # --------------------------------------------------------------------------------------------------
 # Sections
 
+DEFAULT_BETAS = {"adamw": (0.9, 0.999), "lion": (0.9, 0.99)}
+"""`optim.betas` when the recipe gives none: torch's AdamW default, and the Lion paper's."""
+
 
 @dataclass
 class ModelConfig:
@@ -72,6 +75,12 @@ class ModelConfig:
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = _field(
         "auto", "Parameter dtype: `auto` is bfloat16 on a GPU and float32 on a CPU."
+    )
+    quantization: Literal["nf4", "int8"] | None = _field(
+        None,
+        "QLoRA: store the decoder's linear layers in 4-bit NF4 (`nf4`) or LLM.int8() (`int8`) through "
+        "bitsandbytes and train LoRA adapters over them (needs `lora`, one process, and the extra: "
+        "pip install 'ligertune[qlora]'). Embeddings, norms and the output projection stay in `dtype`.",
     )
     attention: Literal["packed", "sdpa", "eager"] = _field(
         "packed",
@@ -175,6 +184,13 @@ class KernelsConfig:
         True, "Output projection + cross-entropy fused: the [tokens, vocab] logits are never stored."
     )
     loss_chunk_mib: int = _field(1024, "Memory budget of the fused loss for its chunk of logits, in MiB.")
+    lora: bool = _field(
+        True,
+        "With `lora`: the LoRA layers compute peft's values without its per-layer overhead: one GEMM "
+        "for the A projections of layers that read one input (q, k, v; gate, up), and the input kept "
+        "for backward in the model dtype instead of a float32 copy per layer (docs/kernels.md). Layers "
+        "with `lora.dropout` > 0 keep peft's own forward.",
+    )
 
     def check(self) -> list[tuple[str, str]]:
         if self.loss_chunk_mib < 1:
@@ -236,17 +252,42 @@ class LoraConfig:
 class OptimConfig:
     """Optimizer and learning-rate schedule."""
 
-    name: Literal["adamw"] = _field("adamw", "Optimizer (AdamW, fused on CUDA).")
+    name: Literal["adamw", "lion"] = _field(
+        "adamw",
+        "`adamw`: torch's AdamW (fused on CUDA). `lion`: the sign of a momentum (Chen et al. 2023), one "
+        "float32 state per parameter where AdamW keeps two; wants a 3-10x smaller `lr` and 3-10x larger "
+        "`weight_decay` than AdamW (see docs/optim.md).",
+    )
     lr: float = _field(2e-5, "Peak learning rate.")
-    betas: list[float] = _field(doc="AdamW betas.", factory=lambda: [0.9, 0.999])
-    eps: float = _field(1e-8, "AdamW epsilon.")
+    betas: list[float] | None = _field(
+        None, "(beta1, beta2); null: [0.9, 0.999] for AdamW, [0.9, 0.99] for Lion (filled in when loaded)."
+    )
+    eps: float = _field(1e-8, "AdamW epsilon (Lion has none).")
     weight_decay: float = _field(0.0, "Decoupled weight decay (not applied to norms and biases).")
+    master_weights: bool = _field(
+        True,
+        "Step bfloat16/float16 trainable parameters through a float32 copy with float32 optimizer states, "
+        "rounded into the parameter after each step: 4 more bytes per such parameter, and AdamW's "
+        "states in 8 bytes instead of 4. `false`: torch's behaviour, where a bf16 weight does not move "
+        "for steps below its spacing and AdamW's bf16 states lose `eps` and the second moment's decay "
+        "(docs/optim.md). Float32 parameters (LoRA adapters, FSDP on CUDA) are unaffected.",
+    )
     schedule: Literal["cosine", "linear", "constant"] = _field("cosine", "Decay after warmup.")
     warmup_steps: int = _field(
         0, "Linear warmup from 0 to `lr`, in optimizer steps; no longer than `train.max_steps` when set."
     )
     min_lr_ratio: float = _field(0.0, "Final learning rate as a fraction of `lr` (cosine, linear).")
-    max_grad_norm: float | None = _field(1.0, "Clip the global gradient norm to this; null disables.")
+    clip: Literal["global", "per_tensor"] = _field(
+        "global",
+        "Gradient clipping to `max_grad_norm`: `global` scales all gradients by one factor, from the "
+        "norm over every trainable parameter (all shards); `per_tensor` scales each parameter tensor's "
+        "gradient to at most that norm on its own.",
+    )
+    max_grad_norm: float | None = _field(1.0, "Clip the gradient norm (see `clip`) to this; null disables.")
+
+    def __post_init__(self) -> None:
+        if self.betas is None:
+            self.betas = list(DEFAULT_BETAS.get(self.name, DEFAULT_BETAS["adamw"]))
 
     def check(self) -> list[tuple[str, str]]:
         problems = []
@@ -278,7 +319,15 @@ class TrainConfig:
     micro_batch_size: int = _field(1, f"Packs per forward/backward; at most {MAX_MICRO_BATCH}.")
     grad_accum_steps: int = _field(1, f"Micro-batches per optimizer step; at most {MAX_GRAD_ACCUM:,}.")
     seed: int = _field(0, "Seed for weights, data order and dropout.")
-    gradient_checkpointing: bool = _field(False, "Recompute activations in backward to save memory.")
+    gradient_checkpointing: bool | Literal["auto"] = _field(
+        False, "Recompute decoder layers' activations in backward to save memory: `true` every layer; "
+        "`auto` as few layers as fit `memory_budget_gib`, measured on the first step (CUDA; on a CPU "
+        "`auto` recomputes none)."
+    )
+    memory_budget_gib: float | None = _field(
+        None, "With `gradient_checkpointing: auto`: the peak device memory (GiB) a step may use; "
+        "null: 90% of the GPU's memory."
+    )
     device: Literal["auto", "cpu", "cuda"] = _field("auto", "`auto`: CUDA when available, else CPU.")
     log_every: int = _field(1, "Write a metrics record every N optimizer steps.")
     eval_every: int | None = _field(None, "Evaluate on the held-out data every N steps (and at the end).")
@@ -290,7 +339,21 @@ class TrainConfig:
     )
     keep_checkpoints: int = _field(3, "Checkpoints kept; the oldest is removed once a new one is complete.")
     max_skipped_steps: int = _field(
-        5, "Stop the run after this many consecutive steps skipped for a non-finite loss or gradient."
+        5, "Stop the run after this many consecutive steps skipped for a non-finite loss or gradient "
+        "(or a loss spike, with `on_spike: skip`)."
+    )
+    spike_threshold: float | None = _field(
+        6.0,
+        "A step's loss is a spike when it exceeds the median of the last `spike_window` losses by more "
+        "than this many robust standard deviations (1.4826 x their median absolute deviation); spikes "
+        "go to `spikes.jsonl` with the conversations of the step. null disables the watch.",
+    )
+    spike_window: int = _field(
+        32, "Finite step losses the spike watch compares with; it starts once it holds this many."
+    )
+    on_spike: Literal["log", "skip"] = _field(
+        "log", "`log`: record the spike and apply the update; `skip`: record it and drop the update, "
+        "like a non-finite step."
     )
     num_threads: int | None = _field(
         None, f"CPU threads for torch, at most {MAX_THREADS}; default: torch's own choice."
@@ -306,6 +369,16 @@ class TrainConfig:
                 problems.append((key, f"must be >= 1, got {value}"))
         if not 0 < self.epochs <= MAX_EPOCHS:
             problems.append(("epochs", f"must be in (0, {MAX_EPOCHS:g}], got {self.epochs}"))
+        if self.memory_budget_gib is not None:
+            if self.memory_budget_gib <= 0:
+                problems.append(("memory_budget_gib", f"must be > 0 or null, got {self.memory_budget_gib}"))
+            elif self.gradient_checkpointing != "auto":
+                problems.append(("memory_budget_gib", "applies to `gradient_checkpointing: auto` only; "
+                                 f"gradient_checkpointing is {str(self.gradient_checkpointing).lower()}"))
+        if self.spike_threshold is not None and self.spike_threshold <= 0:
+            problems.append(("spike_threshold", f"must be > 0 or null, got {self.spike_threshold}"))
+        if self.spike_window < 3:
+            problems.append(("spike_window", f"must be >= 3 (a median and its deviation), got {self.spike_window}"))
         for key, most in (("micro_batch_size", MAX_MICRO_BATCH), ("grad_accum_steps", MAX_GRAD_ACCUM),
                           ("num_threads", MAX_THREADS)):
             value = getattr(self, key)
@@ -368,6 +441,9 @@ class Recipe:
         if self.data.packing and self.model.attention != "packed":
             problems.append(("data.packing", "packing needs `model.attention: packed`; with "
                              f"{self.model.attention!r} packed conversations would attend to each other"))
+        if self.model.quantization is not None and self.lora is None:
+            problems.append(("model.quantization", f"a {self.model.quantization} base is frozen: train LoRA "
+                             "adapters over it (add a `lora` section, e.g. `--set lora.r=16`)"))
         if self.train.max_steps is not None and self.optim.warmup_steps > self.train.max_steps:
             problems.append(("optim.warmup_steps",
                              f"{self.optim.warmup_steps} warmup steps is longer than the run "

@@ -1,9 +1,11 @@
 """Continuing a run from a checkpoint: which one, whether the recipe still fits it, and its weights.
 
 A run continues only under the math it started with. Keys that change what a step computes (the
-model, the data and its settings, the batch, the seed, the loss, LoRA, the optimizer) must equal the
-checkpoint's; keys that only say how long to run, how often to log, evaluate or save, and where to
-write may change (`RESUMABLE_CHANGES`).
+model, the data and its settings, the batch, the seed, the loss, LoRA, the optimizer, its clipping
+and master weights) must equal the checkpoint's; keys that only say how long to run, how often to
+log, evaluate or save, where to write, and how to watch for loss spikes may change
+(`RESUMABLE_CHANGES`; the spike watch's window of recent losses is part of the saved run, so a
+resumed run with the same settings flags the same spikes).
 """
 
 from __future__ import annotations
@@ -25,12 +27,17 @@ RESUMABLE_CHANGES = (
     "train.save_every",
     "train.keep_checkpoints",
     "train.max_skipped_steps",
+    "train.spike_threshold",
+    "train.spike_window",
+    "train.on_spike",
     "train.eval_every",
     "train.eval_at_start",
     "train.eval_max_conversations",
     "train.log_every",
     "train.num_threads",
     "train.device",
+    "train.gradient_checkpointing",  # recomputation gives the same values (and dropout masks)
+    "train.memory_budget_gib",
     "data.num_workers",
     "data.cache_dir",
     "distributed.",

@@ -45,13 +45,13 @@ from torch.distributed.checkpoint.state_dict import (
 from ligertune.data import IGNORE_INDEX, Batch, Pack, PaddedBatch, TokenizedExample, collate, collate_padded
 from ligertune.devices import resolve_dtype
 from ligertune.flops import StepFlops, device_peak_tflops
+from ligertune.training.memory import CheckpointPlanner, device_allocator, set_checkpointed
 from ligertune.distributed import (
     Topology,
     accumulating,
     all_reduce_max,
     all_reduce_sum,
     destroy_process_group,
-    full_tensor,
     gather_objects,
     init_process_group,
     shard,
@@ -72,6 +72,7 @@ from ligertune.training.build import (
     build_model,
     build_optimizer,
     build_scheduler,
+    optimizer_warnings,
     packs_per_step,
     total_steps,
 )
@@ -87,11 +88,14 @@ from ligertune.training.checkpoint import (
     write_atomic_dir,
     write_atomic_text,
 )
+from ligertune.training.clipping import clip_gradients
 from ligertune.training.display import TrainProgress, sample_table, summary_table
 from ligertune.training.loss_weights import step_token_weights
+from ligertune.training.precision import optimizer_memory
 from ligertune.training.reporters import Reporters, open_reporters
 from ligertune.training.resume import check_resumable, find_checkpoint, load_model_weights
 from ligertune.training.run_dir import RunLock, check_output_dir, claim_output_dir
+from ligertune.training.spikes import Spike, find_spike, remember
 from ligertune.training.state import PackStream, RunState, capture_rng, restore_rng
 from ligertune.training.throughput import Clock, Throughput
 
@@ -107,6 +111,7 @@ class TrainResult:
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     sample: tuple[str, str, str] | None = None
     skipped_steps: int = 0
+    spikes: int = 0
 
 
 @dataclass
@@ -124,8 +129,13 @@ class StepStats:
     """The step's model flops (`ligertune.flops`), every rank's together."""
     lr: float
     grad_norm: float
+    """The norm over every gradient before clipping."""
     skipped: str | None = None
-    """Why the update was dropped ("nonfinite"), or None."""
+    """Why the update was dropped ("nonfinite", or "spike" with `train.on_spike: skip`), or None."""
+    clipped: int = 0
+    """Gradient tensors that clipping scaled down (0: it did not act; `global` clips all or none)."""
+    spike: Spike | None = None
+    """The spike watch's finding on this step's loss."""
 
 
 @dataclass
@@ -153,7 +163,13 @@ class Run:
     engine: torch.nn.Module | None = None
     """What forward and backward go through: the head, or its data-parallel wrapper."""
     last_loss: float | None = None
+    checkpointing: CheckpointPlanner | int | None = None
+    """Gradient checkpointing: the layers recomputed, or the planner of `auto` (None: off)."""
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    spikes: MetricsLog = field(default_factory=lambda: MetricsLog(None))
+    """`spikes.jsonl` (rank 0, with the spike watch on)."""
+    step_packs: list[Pack] = field(default_factory=list)
+    """Every pack of the step under way, all ranks' (what a spike record lists)."""
     resume_command: str = "ligertune train RECIPE --resume"
     trainable: list[torch.nn.Parameter] = field(init=False)
     """The parameters the optimizer updates (listed once: the step clips them every time)."""
@@ -280,6 +296,7 @@ def setup(recipe: Recipe, console: Console, *, resume: str | Path | None = None,
             raise UserError(f"output.dir: cannot write {output_dir}: {err.strerror or err}") from None
 
     lock, metrics = together(claim)
+    spikes = together(lambda: open_spike_log(recipe, output_dir, saved) if topology.is_main else MetricsLog(None))
     reporters = together(lambda: open_reporters(recipe.output.report_to, output_dir, recipe.to_dict())
                          if topology.is_main and recipe.output.report_to else None)
     run = Run(
@@ -287,17 +304,58 @@ def setup(recipe: Recipe, console: Console, *, resume: str | Path | None = None,
         optimizer=optimizer, scheduler=scheduler, data=data, total_steps=steps, output_dir=output_dir,
         metrics=metrics, meter=Throughput(device, clock, peak_tflops=cluster_peak_tflops(device, topology)),
         lock=lock, topology=topology, engine=engine,
-        reporters=reporters,
+        reporters=reporters, spikes=spikes,
     )
+    run.checkpointing = checkpointing_policy(run)
     describe_run(run, mixed_precision or built.dtype, built.patches.describe() if built.patches else "none")
     if checkpoint is not None:
         restore(run, checkpoint, saved)
     return run
 
 
+def checkpointing_policy(run: Run) -> CheckpointPlanner | int | None:
+    """What `train.gradient_checkpointing` makes of the run's decoder layers (`training.memory`)."""
+    cfg = run.recipe.train
+    layers = decoder_of(run.model).layers
+    if cfg.gradient_checkpointing is False:
+        return None
+    if cfg.gradient_checkpointing is True:
+        return len(layers)
+    allocator = device_allocator(run.device)
+    if allocator is None:
+        set_checkpointed(layers, 0)  # no device memory to budget
+        return 0
+    budget = cfg.memory_budget_gib
+    if budget is None:
+        budget = 0.9 * torch.cuda.get_device_properties(run.device).total_memory / 2**30
+    return CheckpointPlanner(run.model, layers, allocator, budget)
+
+
+def checkpointed_layers(policy: CheckpointPlanner | int) -> int:
+    if isinstance(policy, CheckpointPlanner):
+        return policy.plan.checkpointed if policy.plan else len(policy.layers)
+    return policy
+
+
 def strategy(recipe: Recipe) -> str:
     """How several processes share the model: `distributed.strategy`, `auto` being FSDP."""
     return "ddp" if recipe.distributed.strategy == "ddp" else "fsdp"
+
+
+SPIKES = "spikes.jsonl"
+
+
+def open_spike_log(recipe: Recipe, output_dir: Path, saved: dict | None) -> MetricsLog:
+    """`spikes.jsonl` in the run's folder when the spike watch is on (or a resumed run left one, cut
+    back to the checkpoint's step like metrics.jsonl: the resumed run flags those steps again)."""
+    path = output_dir / SPIKES
+    resume_after = saved["run"]["step"] if saved is not None else None
+    if recipe.train.spike_threshold is None and not (resume_after is not None and path.exists()):
+        return MetricsLog(None)
+    try:
+        return MetricsLog(path, resume_after=resume_after)
+    except OSError as err:
+        raise UserError(f"output.dir: cannot write {path}: {err.strerror or err}") from None
 
 
 def restore(run: Run, checkpoint: Path, saved: dict) -> None:
@@ -334,9 +392,22 @@ def describe_run(run: Run, dtype: torch.dtype, patches: str) -> None:
         f"{len(data.train_packs)} packs of {recipe.data.max_seq_len} ({real / max(slots, 1):.1%} full), "
         f"{run.total_steps} step{'s' * (run.total_steps != 1)} of {per_step} pack{'s' * (per_step != 1)}"
     )
+    policy = run.checkpointing
+    if isinstance(policy, CheckpointPlanner):
+        run.console.print(f"gradient checkpointing: auto, {policy.budget_gib:.1f} GiB budget; the first "
+                          "step measures the layers' activations")
+    elif policy is not None:
+        layers = len(decoder_of(run.model).layers)
+        run.console.print(f"gradient checkpointing: {policy} of {layers} layers recomputed"
+                          + ("" if recipe.train.gradient_checkpointing is True else
+                             " (auto: no device memory to budget on a CPU)"))
     if run.topology.distributed:
         run.console.print(f"processes: {run.topology.world_size}, {strategy(recipe)}, "
                           f"{packs_per_step(recipe.train)} packs each per step")
+    memory = optimizer_memory(run.trainable, recipe.optim.name, master_weights=recipe.optim.master_weights)
+    run.console.print(memory.describe(), markup=False)
+    for warning in optimizer_warnings(recipe, {p.dtype for p in run.trainable}):
+        run.console.print(f"warning: {warning}", style="yellow", markup=False)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -377,7 +448,12 @@ def train_loop(run: Run, stop: StopSignals | None = None) -> TrainResult:
             evaluate_and_log(run, progress)
         run.meter.start()
         while run.state.step < run.total_steps:
-            stats = train_step(run, next_batches(run))
+            if isinstance(run.checkpointing, CheckpointPlanner) and run.checkpointing.plan is None:
+                with run.checkpointing.measuring():
+                    stats = train_step(run, next_batches(run))
+                run.console.print(run.checkpointing.plan.describe())
+            else:
+                stats = train_step(run, next_batches(run))
             record = log(run, stats)
             result = maybe_evaluate(run, progress)
             if record is not None and result is not None:
@@ -406,22 +482,24 @@ def next_batches(run: Run) -> list[Batch | PaddedBatch]:
     size = run.recipe.train.micro_batch_size
     world = run.topology.world_size
     packs = run.stream.take(run.state, packs_per_step(run.recipe.train, world))
+    run.step_packs = packs
     if world > 1:
         packs = split_packs(packs, world)[run.topology.rank]
     return [make_batch(run, packs[i : i + size]) for i in range(0, len(packs), size)]
 
 
 def train_step(run: Run, batches: list[Batch | PaddedBatch]) -> StepStats:
-    """One optimizer step over `batches`: forward and backward with step-level loss weights, global
-    gradient-norm clipping, the update and the schedule.
+    """One optimizer step over `batches`: forward and backward with step-level loss weights,
+    gradient clipping (`optim.clip`), the spike watch, the update and the schedule.
 
     A step whose loss or gradient norm is not finite updates nothing (its gradients are dropped)
-    and is counted; `train.max_skipped_steps` of them in a row stop the run.
+    and is counted; so is a loss spike under `train.on_spike: skip` (`ligertune.training.spikes`);
+    `train.max_skipped_steps` of them in a row stop the run.
     """
+    cfg = run.recipe.train
     totals = forward_backward(run, batches, backward=True)
-    max_norm = run.recipe.optim.max_grad_norm or float("inf")
-    # The norm over every parameter of every shard: the same on each rank.
-    grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(run.trainable, max_norm))
+    # The norms of whole tensors, every shard counted: the same on each rank.
+    clipped = clip_gradients(run.trainable, run.recipe.optim.max_grad_norm, run.recipe.optim.clip)
     lr = run.scheduler.get_last_lr()[0]
     n_real = sum(real_tokens(b) for b in batches)
     squares = sum(squared_lengths(b) for b in batches)
@@ -429,11 +507,18 @@ def train_step(run: Run, batches: list[Batch | PaddedBatch]) -> StepStats:
                torch.as_tensor(n_real, device=run.device), torch.as_tensor(squares, device=run.device)]
     # The step's numbers summed over the ranks, then one transfer to the host for all of them.
     summed = all_reduce_sum(torch.stack([x.double() for x in numbers]))
-    loss, z_loss, n_correct, n_tokens, n_real, squares, norm = torch.cat(
-        [summed, grad_norm.double().reshape(1)]).tolist()
+    loss, z_loss, n_correct, n_tokens, n_real, squares, norm, n_clipped = torch.cat(
+        [summed, torch.stack([clipped.norm.double(), clipped.tensors.double()]).to(run.device)]).tolist()
     state = run.state
     finite = math.isfinite(loss) and math.isfinite(norm)
-    if finite:
+    spike = None
+    if finite and cfg.spike_threshold is not None:  # the summed loss: every rank judges the same number
+        spike = find_spike(loss - z_loss, state.recent_losses, threshold=cfg.spike_threshold,
+                           window=cfg.spike_window)
+    state.recent_losses = remember(state.recent_losses, loss - z_loss, window=cfg.spike_window)
+    state.spikes += spike is not None
+    skipped = "nonfinite" if not finite else "spike" if spike and cfg.on_spike == "skip" else None
+    if skipped is None:
         run.optimizer.step()
         state.consecutive_skips = 0
     else:
@@ -445,26 +530,29 @@ def train_step(run: Run, batches: list[Batch | PaddedBatch]) -> StepStats:
     stats = StepStats(
         loss=loss - z_loss, z_loss=z_loss, token_accuracy=n_correct / max(n_tokens, 1), tokens=int(n_tokens),
         real_tokens=int(n_real), flops=run.step_flops(int(n_real), int(squares)), lr=lr, grad_norm=norm,
-        skipped=None if finite else "nonfinite",
+        skipped=skipped, clipped=int(n_clipped), spike=spike,
     )
-    if state.consecutive_skips >= run.recipe.train.max_skipped_steps:
+    if state.consecutive_skips >= cfg.max_skipped_steps:
         log(run, stats)
         latest = latest_checkpoint(run.output_dir)
+        spikes = " or a loss spike (train.on_spike: skip)" if cfg.on_spike == "skip" else ""
         raise TrainingDiverged(
             f"step {state.step}: {state.consecutive_skips} steps in a row had a non-finite loss or gradient "
-            "norm, so the run stopped; likely causes: a learning rate too high (optim.lr), an epsilon too "
-            "small for the dtype (optim.eps), or broken data in these steps; "
+            f"norm{spikes}, so the run stopped; likely causes: a learning rate too high (optim.lr), an "
+            "epsilon too small for the dtype (optim.eps), or broken data in these steps; "
             + (f"the last good checkpoint is {latest}" if latest else "no checkpoint was written")
         )
     return stats
 
 
 def log(run: Run, stats: StepStats) -> dict | None:
-    """Count the step's tokens; every `log_every` steps, at the last step and at every skipped step
-    write its metrics record."""
+    """Count the step's tokens; every `log_every` steps, at the last step and at every skipped or
+    spiking step write its metrics record (and a spike's record to spikes.jsonl)."""
     run.meter.add(stats.real_tokens, stats.tokens, stats.flops)
     step = run.state.step
-    if step % run.recipe.train.log_every and step != run.total_steps and not stats.skipped:
+    if stats.spike is not None:
+        write_spike(run, stats)
+    if step % run.recipe.train.log_every and step != run.total_steps and not stats.skipped and not stats.spike:
         return None
     rates = run.meter.lap()
     record = {
@@ -475,18 +563,45 @@ def log(run: Run, stats: StepStats) -> dict | None:
         "tokens": stats.tokens,
         "lr": stats.lr,
         "grad_norm": stats.grad_norm,
+        "clipped": stats.clipped > 0,
         "tokens_per_s": rates.tokens_per_s,
         "trained_tokens_per_s": rates.trained_tokens_per_s,
         "peak_mem_gib": peak_memory_gib(run.device),
     }
     if rates.mfu is not None:
         record["mfu"] = rates.mfu
+    if run.checkpointing is not None:
+        record["checkpointed_layers"] = checkpointed_layers(run.checkpointing)
+    if run.recipe.optim.clip == "per_tensor":
+        record["clipped_tensors"] = stats.clipped
+    if run.recipe.train.spike_threshold is not None:
+        record["spikes"] = run.state.spikes
+    if stats.spike is not None:
+        record["spike"] = True
     if stats.skipped:
         record["skipped"] = stats.skipped
     else:
         run.last_loss = stats.loss
     write_record(run, record)
     return record
+
+
+def write_spike(run: Run, stats: StepStats) -> None:
+    """A spike's record in spikes.jsonl (rank 0): the step, its loss against the window's median and
+    robust deviation, what was done, and the origin (`file:line`, `file:row N` or `dataset[split]:row
+    N`) of every conversation of the step, all ranks' packs together."""
+    spike = stats.spike
+    examples = run.data.train_examples
+    run.spikes.write({
+        "step": run.state.step,
+        "loss": spike.loss,
+        "median": spike.median,
+        "deviation": spike.deviation,
+        "score": spike.score,
+        "threshold": run.recipe.train.spike_threshold,
+        "action": "skipped" if stats.skipped == "spike" else "logged",
+        "conversations": [examples[i].origin for pack in run.step_packs for i in pack.example_indices],
+    })
 
 
 def write_record(run: Run, record: dict) -> None:
@@ -628,13 +743,14 @@ def finish(run: Run) -> TrainResult:
         run.metrics.close()  # flushed and complete before it is read
         plot_metrics(run.output_dir / "metrics.jsonl", run.output_dir / "loss.png")
     result = TrainResult(run.output_dir, final_dir, run.state.step, run.last_loss, run.eval_losses, sample,
-                         skipped_steps=run.state.skipped_steps)
+                         skipped_steps=run.state.skipped_steps, spikes=run.state.spikes)
     show_summary(run, result)
     return result
 
 
 def cleanup(run: Run) -> None:
     run.metrics.close()
+    run.spikes.close()
     if run.reporters is not None:
         run.reporters.close()
     if run.lock is not None:
@@ -785,7 +901,9 @@ def greedy_sample(run: Run, tail_chars: int = 300) -> tuple[str, str, str]:
 def show_summary(run: Run, result: TrainResult) -> None:
     rows = [("steps", str(result.steps))]
     if result.skipped_steps:
-        rows.append(("skipped steps", f"{result.skipped_steps} (non-finite loss or gradient)"))
+        rows.append(("skipped steps", f"{result.skipped_steps} (non-finite loss or gradient, or a skipped spike)"))
+    if result.spikes:
+        rows.append(("loss spikes", f"{result.spikes} ({run.output_dir / SPIKES})"))
     if result.train_loss is not None:
         rows.append(("final train loss", f"{result.train_loss:.4f}"))
     if result.eval_losses:

@@ -30,6 +30,7 @@ from ligertune.data import Pack, PreparedData, TokenizedExample, pack, prepare_d
 from ligertune.devices import resolve_device, resolve_dtype
 from ligertune.errors import UserError
 from ligertune.models import CausalLMLoss, PatchReport, patch_model
+from ligertune.models.lora import patch_lora
 from ligertune.recipe import (
     DataConfig,
     KernelsConfig,
@@ -39,6 +40,9 @@ from ligertune.recipe import (
     Recipe,
     TrainConfig,
 )
+from ligertune.training import precision
+from ligertune.training.adamw import AdamW
+from ligertune.training.lion import Lion
 from ligertune.training.optim import lr_multiplier
 
 
@@ -129,8 +133,18 @@ def build_model(
     `attention` replaces `model.attention` (a benchmark's peers run the model's own sdpa); `dtype`
     replaces `model.dtype` (float32 master weights under mixed precision); `kernels=False` leaves the model unpatched (`patch_kernels` can patch it later);
     `before_adapters(model)` runs on the base model before LoRA wraps it (a peer's own patches).
+
+    A quantized base (`model.quantization`, QLoRA) gets what training adapters over it needs: its
+    weights frozen and peft's bitsandbytes LoRA layers around the quantized ones (`wrap_lora`), and
+    non-reentrant checkpointing, under which the frozen embeddings need no input-gradient hook. peft's
+    `prepare_model_for_kbit_training` is not called: it casts every bf16 weight left unquantized
+    (embeddings, norms, output projection) to float32, 2.1 GB more for Llama-3.1-8B, and with them
+    the residual stream (twice the activation memory, and a dtype flash attention does not take),
+    to keep fp16 norms and logits accurate, which ligertune's kernels compute in float32 anyway.
     """
     model_cfg = recipe.model if attention is None else dataclasses.replace(recipe.model, attention=attention)
+    if model_cfg.quantization is not None:
+        check_quantized(recipe)
     dtype = dtype or resolve_dtype(model_cfg.dtype, device)
     model = models.build_model(model_cfg, device=device, dtype=dtype, seed=recipe.train.seed,
                                vocab_size=vocab_size)
@@ -140,8 +154,24 @@ def build_model(
     if before_adapters is not None:
         before_adapters(model)
     if recipe.lora is not None:
-        model = wrap_lora(model, recipe.lora)
+        model = wrap_lora(model, recipe.lora, fast=kernels and recipe.kernels.lora)
     return BuiltModel(model, dtype, patches)
+
+
+def check_quantized(recipe: Recipe) -> None:
+    """Refuse a quantized base that cannot train: without LoRA adapters (also a recipe check), over
+    several processes (FSDP cannot shard bitsandbytes' packed weights), or without bitsandbytes."""
+    from ligertune.distributed import topology_from_environment
+    from ligertune.models.quantize import require_bitsandbytes
+
+    kind = recipe.model.quantization
+    if recipe.lora is None:
+        raise UserError(f"model.quantization: a quantized base ({kind}) is frozen: train LoRA adapters "
+                        "over it (add a `lora` section)")
+    if topology_from_environment().distributed:
+        raise UserError(f"model.quantization: a quantized base ({kind}) trains on one process; run "
+                        "without --nproc/torchrun, or without quantization")
+    require_bitsandbytes(kind)
 
 
 def patch_kernels(model: nn.Module, cfg: KernelsConfig) -> PatchReport:
@@ -157,8 +187,13 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
     model.config.use_cache = False
 
 
-def wrap_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
-    """The model with peft LoRA adapters on `lora.target_modules`; the base weights frozen."""
+def wrap_lora(model: nn.Module, cfg: LoraConfig, *, fast: bool = False) -> nn.Module:
+    """The model with peft LoRA adapters on `lora.target_modules`; the base weights frozen.
+
+    `fast` (`kernels.lora`) gives the LoRA Linear layers `ligertune.models.lora`'s forward: peft's
+    values, modules and parameters, with one A product per shared input and no float32 copy of the
+    activations kept.
+    """
     import peft
 
     lora = peft.LoraConfig(
@@ -172,9 +207,12 @@ def wrap_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
         task_type="CAUSAL_LM",
     )
     try:
-        return peft.get_peft_model(model, lora)
+        wrapped = peft.get_peft_model(model, lora)
     except ValueError as err:
         raise UserError(f"lora: {err}") from None
+    if fast:
+        patch_lora(wrapped)
+    return wrapped
 
 
 def build_head(model: nn.Module, kernels: KernelsConfig, loss: LossConfig) -> CausalLMLoss:
@@ -199,10 +237,12 @@ def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters; norms, biases and other vectors get no weight decay.
+    """`optim.name` over the trainable parameters; norms, biases and other vectors get no weight decay.
 
-    The fused CUDA implementation is used when every parameter is a plain tensor on CUDA (sharded
-    parameters take the multi-tensor one).
+    AdamW is torch's (`ligertune.training.adamw`), fused on CUDA when every parameter is a plain
+    tensor there (sharded parameters take the multi-tensor one); Lion is ligertune's Triton kernel
+    (`ligertune.training.lion`). Both step 16-bit parameters through float32 master weights unless
+    `optim.master_weights` is false (`ligertune.training.precision`).
     """
     params = trainable_parameters(model)
     decay = [p for _, p in params if p.ndim >= 2]
@@ -212,8 +252,28 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
         {"params": no_decay, "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
+    if cfg.name == "lion":
+        return Lion(groups, lr=cfg.lr, betas=tuple(cfg.betas), master_weights=cfg.master_weights)
     fused = bool(params) and all(p.is_cuda and type(p.data) is torch.Tensor for _, p in params)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused or None)
+    return AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused or None,
+                 master_weights=cfg.master_weights)
+
+
+def trainable_dtypes(recipe: Recipe, device: torch.device) -> set[torch.dtype]:
+    """The dtypes that the trainable parameters of the recipe's model will have, known before it is
+    built: the model's for full fine-tuning; with LoRA, float32 adapters (peft keeps them in float32
+    over a 16-bit base) and the model's dtype for `lora.modules_to_save`."""
+    dtype = resolve_dtype(recipe.model.dtype, device)
+    if recipe.lora is None:
+        return {dtype}
+    return {torch.float32, dtype} if recipe.lora.modules_to_save else {torch.float32}
+
+
+def optimizer_warnings(recipe: Recipe, dtypes: set[torch.dtype]) -> list[str]:
+    """`key: message` for an optimizer setting that runs but probably not as meant, for trainable
+    parameters of `dtypes` (`ligertune.training.precision.optimizer_warnings`)."""
+    found = precision.optimizer_warnings(recipe.optim, dtypes, lora=recipe.lora is not None)
+    return [f"{key}: {message}" for key, message in found]
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, *, total_steps: int):
@@ -227,11 +287,13 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, *, total
 
 def check_model_skeleton(recipe: Recipe, *, vocab_size: int | None) -> None:
     """What `build_model` would refuse, found without loading a weight: a local model folder with no
-    weight files, and LoRA target modules the model lacks (the model's shapes are built on the meta
-    device, no memory, and wrapped)."""
+    weight files, a quantized base it cannot train (`check_quantized`), and LoRA target modules the
+    model lacks (the model's shapes are built on the meta device, no memory, and wrapped)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_cfg = recipe.model
+    if model_cfg.quantization is not None:
+        check_quantized(recipe)
     source = model_cfg.name_or_path
     if source is not None and Path(source).is_dir():
         patterns = ("*.safetensors", "*.bin", "*.pt", "*.pth")

@@ -8,28 +8,18 @@ from typing import Any
 import torch
 
 from ligertune.kernels import lion_step
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # a torch built without distributed support has no DTensor parameters either
-    DTensor = None
+from ligertune.training.precision import (
+    chunks,
+    load_state_dict_keeping_dtypes,
+    local,
+    master_of,
+    wants_master,
+)
 
 MOMENTUM_DTYPE = torch.float32
 """The momentum's storage, whatever the parameter's dtype: in bfloat16 (8 significant bits)
 `beta2 m + (1 - beta2) g` with beta2 = 0.99 rounds back to m unless g is large against m, so the
 momentum would stop averaging."""
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (FSDP2 parameters, their gradients and their state), else `t`.
-
-    The update is elementwise and a parameter, its gradient and its momentum are sharded alike, so
-    each rank updates its own shard in place and no communication is needed. Under no_grad,
-    `to_local()` is the DTensor's own local tensor, not a copy.
-    """
-    if DTensor is not None and isinstance(t, DTensor):
-        return t.to_local()
-    return t
 
 
 class Lion(torch.optim.Optimizer):
@@ -45,6 +35,11 @@ class Lion(torch.optim.Optimizer):
     are bfloat16). The update has unit size per element, so Lion's usual learning rate is 3-10x
     smaller than AdamW's and its weight decay 3-10x larger (the paper's section 5).
 
+    `master_weights=True`: a bfloat16 or float16 parameter is stepped through a float32 copy kept in
+    its state (`master`; its gradient cast to float32 a chunk at a time) and receives the copy
+    rounded to its dtype after each step, so that steps smaller than its spacing add up
+    (`ligertune.training.precision`).
+
     Param groups take `lr`, `betas` and `weight_decay`. Parameters whose `grad` is None are skipped
     (no state is created for them). `step()` calls `lion_step` once per device of each group,
     which is one Triton launch per parameter dtype on CUDA. DTensor parameters (FSDP2) are updated
@@ -57,8 +52,11 @@ class Lion(torch.optim.Optimizer):
         lr: float = 1e-4,
         betas: tuple[float, float] = (0.9, 0.99),
         weight_decay: float = 0.0,
+        *,
+        master_weights: bool = False,
     ):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
+        self.master_weights = master_weights
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """`torch.optim.Optimizer.add_param_group`, checking the group's values (defaults filled in)."""
@@ -73,43 +71,41 @@ class Lion(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            # By device only: `lion_step` takes mixed dtypes and groups them into launches itself.
-            buckets: dict[torch.device, tuple[list, list, list]] = {}
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("Lion does not support sparse gradients")
-                state = self.state[p]
-                if "exp_avg" not in state:
-                    state["exp_avg"] = torch.zeros_like(
-                        p, dtype=MOMENTUM_DTYPE, memory_format=torch.contiguous_format
+            rows = [self._row(p) for p in group["params"] if p.grad is not None]
+            for chunk in chunks(rows, lambda row: row[1].numel() if row[1] is not row[0] else 0):
+                # By device only: `lion_step` takes mixed dtypes and groups them into launches itself.
+                buckets: dict[torch.device, tuple[list, list, list]] = {}
+                for p, target, moment in chunk:
+                    params, grads, moments = buckets.setdefault(local(target).device, ([], [], []))
+                    params.append(local(target))
+                    grads.append(local(p.grad).to(target.dtype))  # a float32 copy under a master
+                    moments.append(local(moment))
+                beta1, beta2 = group["betas"]
+                for params, grads, moments in buckets.values():
+                    lion_step(
+                        params, grads, moments,
+                        lr=float(group["lr"]), beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
                     )
-                param = _local(p)
-                params, grads, moments = buckets.setdefault(param.device, ([], [], []))
-                params.append(param)
-                grads.append(_local(p.grad))
-                moments.append(_local(state["exp_avg"]))
-            beta1, beta2 = group["betas"]
-            for params, grads, moments in buckets.values():
-                lion_step(
-                    params, grads, moments,
-                    lr=float(group["lr"]), beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
-                )
+                for p, target, _ in chunk:
+                    if target is not p:
+                        local(p).copy_(local(target))
         return loss
 
+    def _row(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(param, what the update is applied to: its master or itself, momentum), made on first use."""
+        if p.grad.is_sparse:
+            raise RuntimeError("Lion does not support sparse gradients")
+        state = self.state[p]
+        target = master_of(p, state) if wants_master(p, self.master_weights) else p
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(p, dtype=MOMENTUM_DTYPE, memory_format=torch.contiguous_format)
+        return p, target, state["exp_avg"]
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """`torch.optim.Optimizer.load_state_dict`, keeping the float32 momentum of low-precision
-        parameters: the base class casts every floating-point state tensor to its parameter's dtype,
-        which would round the momentum of a bfloat16 parameter to bfloat16 on resume."""
-        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
-        super().load_state_dict(state_dict)
-        params = [p for group in self.param_groups for p in group["params"]]
-        for saved_id, p in zip(saved_ids, params):
-            saved = state_dict["state"].get(saved_id, {}).get("exp_avg")
-            loaded = self.state[p].get("exp_avg")
-            if saved is not None and loaded is not None and loaded.dtype != MOMENTUM_DTYPE:
-                self.state[p]["exp_avg"] = saved.to(device=loaded.device, dtype=MOMENTUM_DTYPE, copy=True)
+        """`torch.optim.Optimizer.load_state_dict`, keeping the float32 momentum (and master) of
+        low-precision parameters: the base class casts every floating-point state tensor to its
+        parameter's dtype, which would round them to bfloat16 on resume."""
+        load_state_dict_keeping_dtypes(self, state_dict, super().load_state_dict)
 
 
 def _check_hyperparameters(lr: float, betas: tuple[float, float], weight_decay: float) -> None:

@@ -8,8 +8,9 @@ every pack is used exactly once per epoch whatever the step size.
 
 from __future__ import annotations
 
+import math
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -28,9 +29,14 @@ class RunState:
     index: int = 0
     """Position of the next pack in that epoch's shuffled order."""
     skipped_steps: int = 0
-    """Steps whose update was dropped (a non-finite loss or gradient), over the whole run."""
+    """Steps whose update was dropped (a non-finite loss or gradient, or a skipped spike), over the whole run."""
     consecutive_skips: int = 0
     """Skipped steps in a row up to now (reset by a good step)."""
+    spikes: int = 0
+    """Steps whose loss the spike watch flagged (`ligertune.training.spikes`), over the whole run."""
+    recent_losses: list[float] = field(default_factory=list)
+    """The spike watch's window: the last `train.spike_window` finite step losses, oldest first (saved
+    with the run, so that a resumed run judges its steps against the same losses)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -68,6 +74,13 @@ class PackStream:
             if state.index >= len(order):
                 state.epoch, state.index = state.epoch + 1, 0
         return taken
+
+
+def first_epoch_steps(packs: Sequence[Pack], seed: int, per_step: int) -> list[list[Pack]]:
+    """The packs of every step of the first epoch, as a run takes them from a fresh `RunState`:
+    ceil(P / per_step) steps for P packs, the last one completed from the second epoch's order."""
+    stream, state = PackStream(packs, seed), RunState()
+    return [stream.take(state, per_step) for _ in range(math.ceil(len(packs) / per_step))]
 
 
 def capture_rng() -> dict[str, Any]:

@@ -171,6 +171,9 @@ def step_header(report) -> list[str]:
             f"{m['type']}, {human_count(m['params'])} parameters ({m['layers']} layers, "
             f"hidden {m['hidden_size']}, vocabulary {m['vocab_size']}), {report.dtype} on {report.device}"
         )
+        if m.get("quantization"):
+            lines.append(f"base quantized: the decoder's linear layers in {m['quantization']} (QLoRA), "
+                         "in every variant")
     ckpt = ", gradient checkpointing" if report.gradient_checkpointing else ""
     lines.append(f"batch: {report.micro_batch_size} x {report.max_seq_len} tokens{ckpt}; "
                  f"{report.warmup} warm-up + {report.steps} timed steps")
@@ -196,6 +199,7 @@ def step_table(report) -> Table:
                   title_justify="left", title_style="bold", caption=_escape("\n".join(notes)) or None,
                   caption_justify="left")
     table.add_column("variant", overflow="fold", min_width=14)
+    table.add_column("checkpointing", no_wrap=True)
     for name in ("ms", "tokens/s", "peak GiB", "MFU", "MFU matmul", "speed-up"):
         table.add_column(name, justify="right", no_wrap=True)
     layout = None
@@ -209,6 +213,7 @@ def step_table(report) -> Table:
             name = f"[bold]{row.name}[/]" if row.name.startswith("ligertune") else row.name
         table.add_row(
             name,
+            _escape(row.checkpointing or "-"),
             fmt(row.step_ms, ".4g"),
             fmt(row.tokens_per_s, ",.0f"),
             fmt(row.peak_mem_gib, ".2f"),
@@ -217,3 +222,62 @@ def step_table(report) -> Table:
             fmt(row.vs_ligertune, ".2f", "x"),
         )
     return table
+
+
+def cap_table(report) -> Table:
+    """Per memory cap, each variant at its fastest setting that fits (`bench step --memory-cap`)."""
+    table = Table(title="under memory caps: each variant's fastest setting whose peak fits",
+                  title_justify="left", title_style="bold")
+    for name, justify in (("cap GiB", "right"), ("variant", "left"), ("checkpointing", "left"),
+                          ("tokens/s", "right"), ("peak GiB", "right"), ("ligertune vs", "right")):
+        table.add_column(name, justify=justify, no_wrap=name != "variant")
+    cap = None
+    for choice in report.choices:
+        if cap is not None and choice.cap_gib != cap:
+            table.add_section()
+        cap = choice.cap_gib
+        if choice.tokens_per_s is None:
+            setting = "[dim]nothing fits[/]"
+        elif not choice.fits:
+            setting = f"[red]{_escape(choice.checkpointing or '-')} (over the cap)[/]"
+        else:
+            setting = _escape(choice.checkpointing or "-")
+        name = f"[bold]{choice.name}[/]" if choice.name.startswith("ligertune") else _escape(choice.name)
+        table.add_row(fmt(choice.cap_gib, "g"), name, setting, fmt(choice.tokens_per_s, ",.0f"),
+                      fmt(choice.peak_mem_gib, ".2f"), fmt(choice.vs_ligertune, ".2f", "x"))
+    return table
+
+
+def plot_frontier(report, path: Path) -> None:
+    """A PNG of tokens/s against peak memory: every measured setting of every variant, each
+    variant's best-under-a-budget frontier as a step line, and the caps as vertical lines."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report.step.rows if r.status == "ok" and r.tokens_per_s and r.peak_mem_gib is not None]
+    if not rows:
+        raise UserError("--plot: no setting was measured with its peak memory (a GPU is needed), nothing to draw")
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name in dict.fromkeys(r.name for r in rows):
+        points = sorted((r.peak_mem_gib, r.tokens_per_s, r.checkpointing) for r in rows if r.name == name)
+        style = {"color": "tab:orange", "linewidth": 2} if name.startswith("ligertune") else {}
+        frontier, best = [], 0.0
+        for memory, rate, _ in points:
+            best = max(best, rate)
+            frontier.append((memory, best))
+        line, = ax.step([m for m, _ in frontier], [b for _, b in frontier], where="post", label=name, **style)
+        ax.scatter([m for m, _, _ in points], [t for _, t, _ in points], color=line.get_color(), s=18)
+    for cap in report.caps:
+        ax.axvline(cap, color="gray", linestyle=":", linewidth=1)
+    ax.set_xlabel("peak memory allocated (GiB)")
+    ax.set_ylabel("tokens/s (higher is better)")
+    ax.set_title(f"{report.step.recipe}: {report.step.device}, {report.step.dtype}", fontsize=9, loc="left")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -94,6 +94,7 @@ class StepRow:
     mfu: float | None = None
     mfu_measured: float | None = None
     vs_ligertune: float | None = None
+    checkpointing: str | None = None  # "off", "every layer", "auto: k of L layers"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -137,6 +138,20 @@ def run_step_bench(
     log: Callable[[str], None] = lambda _: None,
 ) -> StepReport:
     """Time the recipe's training step with ligertune, plain HF and HF + Liger, then packed vs padded chat."""
+    device, dtype, report = _new_report(recipe, config, recipe_name, log)
+    _StepBench(recipe, config, device, dtype, _tokenizer_vocab(recipe), report, log).run()
+    _compare(report)
+    packed = next((r for r in report.rows if r.name == PACKED and r.tokens_per_s), None)
+    if packed is not None:
+        for row in report.rows:
+            if row.layout == "chat" and row.tokens_per_s:
+                row.vs_ligertune = packed.tokens_per_s / row.tokens_per_s
+    return report
+
+
+def _new_report(recipe: Recipe, config: StepBenchConfig, recipe_name: str,
+                log: Callable[[str], None]) -> tuple[torch.device, torch.dtype, StepReport]:
+    """The device, the dtype and an empty report for the recipe's step, with the peak rates."""
     import datetime
 
     if config.steps < 1 or config.warmup < 0:
@@ -145,9 +160,6 @@ def run_step_bench(
     dtype = resolve_dtype(recipe.model.dtype, device)
     if recipe.train.num_threads:
         torch.set_num_threads(recipe.train.num_threads)
-    batch, seq_len = recipe.train.micro_batch_size, recipe.data.max_seq_len
-    vocab_size = _tokenizer_vocab(recipe)
-
     peak = config.peak_tflops
     if peak is None and device.type == "cuda":
         peak = device_peak_tflops(device)
@@ -155,18 +167,21 @@ def run_step_bench(
     if device.type == "cuda" and config.measure_matmul:
         log("measuring a bf16 matmul for the achievable peak")
         matmul = matmul_tflops(device)
-
     report = StepReport(
         recipe=recipe_name, model={}, device=device_name(device), device_type=device.type,
-        dtype=str(dtype).removeprefix("torch."), micro_batch_size=batch, max_seq_len=seq_len,
-        gradient_checkpointing=recipe.train.gradient_checkpointing, steps=config.steps, warmup=config.warmup,
-        peak_tflops=peak, matmul_tflops=matmul, kernels="", note=None, versions=versions(),
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        dtype=str(dtype).removeprefix("torch."), micro_batch_size=recipe.train.micro_batch_size,
+        max_seq_len=recipe.data.max_seq_len, gradient_checkpointing=recipe.train.gradient_checkpointing,
+        steps=config.steps, warmup=config.warmup, peak_tflops=peak, matmul_tflops=matmul, kernels="",
+        note=None, versions=versions(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )
     if device.type != "cuda":
         report.note = "cpu: no GPU; a tiny model's step says nothing of GPU speed (no peak memory, no MFU)"
-    bench = _StepBench(recipe, config, device, dtype, vocab_size, report, log)
-    bench.run()
+    return device, dtype, report
+
+
+def _compare(report: StepReport) -> None:
+    """Fill in each row's MFU and its speed against ligertune's synthetic row; synthetic rows first."""
+    peak, matmul = report.peak_tflops, report.matmul_tflops
     base = next((r for r in report.rows if r.name == LIGERTUNE and r.tokens_per_s), None)
     for row in report.rows:
         if row.tokens_per_s and row.flops is not None and row.step_ms:
@@ -175,14 +190,98 @@ def run_step_bench(
             row.mfu_measured = rate / matmul if matmul else None
         if base is not None and row.tokens_per_s and row.layout == "synthetic":
             row.vs_ligertune = base.tokens_per_s / row.tokens_per_s
-    # Synthetic rows first (one per way of running the model), then the chat layouts.
     report.rows.sort(key=lambda r: r.layout != "synthetic")
-    packed = next((r for r in report.rows if r.name == PACKED and r.tokens_per_s), None)
-    if packed is not None:
-        for row in report.rows:
-            if row.layout == "chat" and row.tokens_per_s:
-                row.vs_ligertune = packed.tokens_per_s / row.tokens_per_s
-    return report
+
+
+# --------------------------------------------------------------------------------------------------
+# Under memory caps
+
+
+@dataclass
+class CapChoice:
+    """What one variant runs at under one memory cap: its fastest setting that fits."""
+
+    cap_gib: float
+    name: str
+    checkpointing: str | None
+    tokens_per_s: float | None
+    peak_mem_gib: float | None
+    fits: bool
+    vs_ligertune: float | None = None  # ligertune's tokens/s at this cap over this variant's
+
+
+@dataclass
+class CapReport:
+    step: StepReport  # every measured row, each with its checkpointing
+    caps: list[float]
+    choices: list[CapChoice]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.step.to_dict(), "caps_gib": self.caps, "choices": [dataclasses.asdict(c) for c in self.choices]}
+
+
+def run_memory_caps(
+    recipe: Recipe,
+    config: StepBenchConfig,
+    caps: list[float],
+    *,
+    recipe_name: str = "",
+    log: Callable[[str], None] = lambda _: None,
+) -> CapReport:
+    """Each variant at its best setting under each memory cap (GiB of peak allocated memory).
+
+    The peers (HF and HF + Liger, with peft for LoRA recipes) run with gradient checkpointing off
+    and on; under a cap each gets the faster of the two that fits. ligertune runs its own policy,
+    `gradient_checkpointing: auto` with `memory_budget_gib` set to the cap, once per cap.
+    """
+    if not caps or any(c <= 0 for c in caps):
+        raise UserError(f"--memory-cap: give one or more positive GiB figures, got {caps}")
+    config = dataclasses.replace(config, chat=False)
+    device, dtype, report = _new_report(recipe, config, recipe_name, log)
+    vocab_size = _tokenizer_vocab(recipe)
+    for checkpointing in (False, True):
+        variant = _with_checkpointing(recipe, checkpointing, None)
+        _StepBench(variant, config, device, dtype, vocab_size, report, log).run(ligertune=False)
+    planned: dict[float, StepRow] = {}
+    for cap in caps:
+        variant = _with_checkpointing(recipe, "auto", cap)
+        before = len(report.rows)
+        _StepBench(variant, config, device, dtype, vocab_size, report, log).run(peers=False)
+        if len(report.rows) > before:
+            planned[cap] = report.rows[-1]
+    _compare(report)
+    choices = cap_choices([r for r in report.rows if r.name != LIGERTUNE], planned, caps)
+    return CapReport(report, list(caps), choices)
+
+
+def cap_choices(peer_rows: list[StepRow], planned: dict[float, StepRow], caps: list[float]) -> list[CapChoice]:
+    """Per cap: ligertune's row planned for that cap, and each peer's fastest row whose peak fits
+    (a row without a peak, on the CPU, fits any cap). ligertune's row is shown even over its cap."""
+    choices = []
+    for cap in caps:
+        candidates = {LIGERTUNE: [planned[cap]] if cap in planned else []}
+        for row in peer_rows:
+            candidates.setdefault(row.name, []).append(row)
+        ours = None
+        for name, rows in candidates.items():
+            measured = [r for r in rows if r.status == "ok" and r.tokens_per_s]
+            fitting = [r for r in measured if r.peak_mem_gib is None or r.peak_mem_gib <= cap]
+            best = max(fitting, key=lambda r: r.tokens_per_s, default=None)
+            if best is None and name == LIGERTUNE and measured:
+                best = measured[0]
+            choice = CapChoice(cap, name, best.checkpointing if best else None, best.tokens_per_s if best else None,
+                               best.peak_mem_gib if best else None, fits=any(best is r for r in fitting))
+            if name == LIGERTUNE:
+                ours = choice if choice.fits else None
+            elif ours is not None and choice.fits:
+                choice.vs_ligertune = ours.tokens_per_s / choice.tokens_per_s
+            choices.append(choice)
+    return choices
+
+
+def _with_checkpointing(recipe: Recipe, checkpointing: bool | str, budget_gib: float | None) -> Recipe:
+    train = dataclasses.replace(recipe.train, gradient_checkpointing=checkpointing, memory_budget_gib=budget_gib)
+    return dataclasses.replace(recipe, train=train)
 
 
 class _StepBench:
@@ -192,8 +291,13 @@ class _StepBench:
         self.recipe, self.config, self.device, self.dtype = recipe, config, device, dtype
         self.vocab_size, self.report, self.log = vocab_size, report, log
 
-    def run(self) -> None:
-        self._guarded(LIGERTUNE, "synthetic", self._ligertune)
+    def run(self, *, ligertune: bool = True, peers: bool = True) -> None:
+        if ligertune:
+            self._guarded(LIGERTUNE, "synthetic", self._ligertune)
+        if peers:
+            self._peers()
+
+    def _peers(self) -> None:
         self._guarded(self._peer_name(HF), "synthetic", self._hf)
         peer = find_peer("liger")
         if not peer.available:
@@ -280,14 +384,36 @@ class _StepBench:
                 out.loss.backward()
                 self._finish_step(optimizer, params)
 
+            checkpointing = self._plan_checkpointing(model, step)
             seq_lens = [ids.shape[1]] * ids.shape[0]
             rows = [self._time(LIGERTUNE, "synthetic", [step], ids.numel(), seq_lens, model)]
+            rows[0].checkpointing = checkpointing
             del optimizer, params
             if self.config.chat:
                 rows.extend(self._chat(head, model))
             return rows
         finally:
             unpatch_model(model)
+
+    def _plan_checkpointing(self, model, step: Callable[[], None]) -> str:
+        """What the recipe's `gradient_checkpointing` does to the model; for `auto`, the plan the
+        trainer would make, measured on one untimed step as the trainer measures its first."""
+        from ligertune.models import decoder_of
+        from ligertune.training.memory import CheckpointPlanner, device_allocator, set_checkpointed
+
+        cfg = self.recipe.train
+        layers = decoder_of(model).layers
+        if cfg.gradient_checkpointing != "auto":
+            return "every layer" if cfg.gradient_checkpointing else "off"
+        allocator = device_allocator(self.device)
+        if allocator is None:
+            set_checkpointed(layers, 0)
+            return f"auto: 0 of {len(layers)} layers"
+        budget = cfg.memory_budget_gib or 0.9 * torch.cuda.get_device_properties(self.device).total_memory / 2**30
+        planner = CheckpointPlanner(model, layers, allocator, budget)
+        with planner.measuring():
+            step()
+        return f"auto: {planner.plan.checkpointed} of {len(layers)} layers"
 
     def _hf(self) -> list[StepRow]:
         model = self._model(attention="sdpa").module
@@ -320,7 +446,9 @@ class _StepBench:
             out.loss.backward()
             self._finish_step(optimizer, params)
 
-        return self._time(name, "synthetic", [step], ids.numel(), [ids.shape[1]] * ids.shape[0], model)
+        row = self._time(name, "synthetic", [step], ids.numel(), [ids.shape[1]] * ids.shape[0], model)
+        row.checkpointing = "every layer" if self.recipe.train.gradient_checkpointing else "off"
+        return row
 
     def _chat(self, head, model) -> list[StepRow]:
         """Packed vs padded micro-batches of the same synthetic conversations (forward + backward)."""

@@ -134,6 +134,15 @@ def step(
                                       "(default: known GPUs' data sheet).", show_default=False)
     ] = None,
     json_file: JsonFileOpt = None,
+    memory_cap: Annotated[
+        Optional[str], typer.Option("--memory-cap", metavar="GIB[,GIB...]", show_default=False,
+                                    help="Under each cap, run each variant at its fastest setting that fits "
+                                         "(peers: checkpointing on or off; ligertune: gradient_checkpointing: auto).")
+    ] = None,
+    plot: Annotated[
+        Optional[Path], typer.Option("--plot", help="With --memory-cap: draw tokens/s against peak memory to this PNG.",
+                                     show_default=False)
+    ] = None,
 ) -> None:
     """Time training steps of the recipe's model: ligertune, plain transformers, transformers + Liger.
 
@@ -142,19 +151,46 @@ def step(
 
     Example: [bold]ligertune bench step recipes/bench/llama-3.2-1b.yaml --steps 10 --json step.json[/]
     """
-    from ligertune.bench.report import step_header, step_table, write_json
-    from ligertune.bench.step import StepBenchConfig, run_step_bench
+    from ligertune.bench.report import (
+        cap_table,
+        plot_frontier,
+        require_matplotlib,
+        step_header,
+        step_table,
+        write_json,
+    )
+    from ligertune.bench.step import StepBenchConfig, run_memory_caps, run_step_bench
+    from ligertune.errors import UserError
     from ligertune.recipe import load_recipe
 
+    caps = None
+    if memory_cap is not None:
+        try:
+            caps = [float(c) for c in memory_cap.split(",") if c.strip()]
+        except ValueError:
+            raise UserError(f"--memory-cap: expected GiB figures separated by commas, got {memory_cap!r}") from None
+    if plot is not None:
+        if caps is None:
+            raise UserError("--plot: draws the memory frontier, so it needs --memory-cap")
+        require_matplotlib()
     loaded = load_recipe(recipe, list(set_ or []))
     config = StepBenchConfig(steps=steps, warmup=warmup, chat=chat, peak_tflops=peak_tflops)
     console = Console()
     progress = Console(stderr=True, highlight=False)
-    report = run_step_bench(loaded, config, recipe_name=str(recipe),
-                            log=lambda line: progress.print(f"[dim]{line}[/]"))
+    log = lambda line: progress.print(f"[dim]{line}[/]")  # noqa: E731
+    if caps is not None:
+        capped = run_memory_caps(loaded, config, caps, recipe_name=str(recipe), log=log)
+        report = capped.step
+    else:
+        report = run_step_bench(loaded, config, recipe_name=str(recipe), log=log)
     for line in step_header(report):
         console.print(line, highlight=False)
     console.print(step_table(report))
+    if caps is not None:
+        console.print(cap_table(capped))
     if json_file is not None:
-        write_json(json_file, report.to_dict())
+        write_json(json_file, (capped if caps is not None else report).to_dict())
         console.print(f"wrote {json_file}", markup=False)
+    if plot is not None:
+        plot_frontier(capped, plot)
+        console.print(f"wrote {plot}", markup=False)

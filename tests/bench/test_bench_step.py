@@ -154,3 +154,53 @@ def test_bench_step_builds_lora_recipes_as_train_does(tmp_path):
     assert "HF + Liger + peft" in rows
     assert report.model["type"] == "LlamaForCausalLM"  # the base model, not the peft wrapper
     assert 0 < report.model["trainable_params"] < report.model["params"] / 10  # adapters only
+
+
+def row(name, checkpointing, tokens_per_s, peak, status="ok"):
+    return bench_step.StepRow(name, "synthetic", status=status, tokens_per_s=tokens_per_s, peak_mem_gib=peak,
+                              checkpointing=checkpointing)
+
+
+def test_each_variant_runs_its_fastest_setting_that_fits_a_cap():
+    peers = [row("HF (sdpa)", "off", 100.0, 30.0), row("HF (sdpa)", "every layer", 80.0, 12.0),
+             row("HF + Liger", "off", 120.0, 20.0), row("HF + Liger", "every layer", 90.0, 9.0)]
+    planned = {10.0: row("ligertune", "auto: 16 of 16 layers", 95.0, 9.5),
+               24.0: row("ligertune", "auto: 4 of 16 layers", 130.0, 23.0),
+               8.0: row("ligertune", "auto: 16 of 16 layers", 95.0, 9.5)}
+    choices = bench_step.cap_choices(peers, planned, [8.0, 10.0, 24.0])
+    got = {(c.cap_gib, c.name): (c.checkpointing, c.fits) for c in choices}
+    assert got == {
+        (8.0, "ligertune"): ("auto: 16 of 16 layers", False),  # the policy's answer, over the cap
+        (8.0, "HF (sdpa)"): (None, False), (8.0, "HF + Liger"): (None, False),
+        (10.0, "ligertune"): ("auto: 16 of 16 layers", True),
+        (10.0, "HF (sdpa)"): (None, False), (10.0, "HF + Liger"): ("every layer", True),
+        (24.0, "ligertune"): ("auto: 4 of 16 layers", True),
+        (24.0, "HF (sdpa)"): ("every layer", True), (24.0, "HF + Liger"): ("off", True),
+    }
+    speedups = {(c.cap_gib, c.name): c.vs_ligertune for c in choices}
+    assert speedups[(24.0, "HF + Liger")] == pytest.approx(130 / 120)
+    assert speedups[(10.0, "HF + Liger")] == pytest.approx(95 / 90)
+    assert speedups[(8.0, "HF + Liger")] is None  # nothing fits, nothing to compare
+
+
+def test_bench_step_under_memory_caps_writes_every_choice(recipe_file, tmp_path, no_peers):
+    out = tmp_path / "caps.json"
+    args = ["step", str(recipe_file), "--steps", "1", "--warmup", "0", "--memory-cap", "4,8", "--json", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    data = json.loads(out.read_text())
+    assert data["caps_gib"] == [4.0, 8.0]
+    measured = [(r["name"], r["checkpointing"]) for r in data["rows"] if r["status"] == "ok"]
+    # The peers with checkpointing off and on; ligertune's auto policy once per cap (on the CPU it
+    # recomputes nothing: there is no allocator to measure).
+    assert measured == [("HF (sdpa)", "off"), ("HF (sdpa)", "every layer"),
+                        ("ligertune", "auto: 0 of 2 layers"), ("ligertune", "auto: 0 of 2 layers")]
+    assert {(c["cap_gib"], c["name"]) for c in data["choices"]} == {
+        (cap, name) for cap in (4.0, 8.0) for name in ("ligertune", "HF (sdpa)", "HF + Liger")}
+    assert "under memory caps" in result.output
+
+
+def test_plot_needs_memory_caps(recipe_file):
+    result = CliRunner().invoke(app, ["step", str(recipe_file), "--plot", "x.png"])
+    assert result.exit_code == 2
+    assert "--plot: draws the memory frontier, so it needs --memory-cap" in result.output

@@ -2,7 +2,8 @@
 
     prepare_data(cfg, tokenizer, seed=...)  -> PreparedData(train, eval, stats)   (prepare.py)
     tokenize_conversation(tokenizer, messages, train_on=...) -> TokenizedExample  (chat.py)
-    pack(examples, max_seq_len, packing=...) -> list[Pack]; shuffled(packs, seed=, epoch=)  (packing.py)
+    pack(examples, max_seq_len, packing=...) -> list[Pack]                       (packing.py)
+    shuffled(packs, seed=, epoch=) -> list[Pack]; order_report(packs, steps, ...)  (order.py)
     collate(packs) -> Batch (one flattened row); collate_padded(items, pad_id) -> PaddedBatch  (batching.py)
     packing_stats(packs, max_seq_len) -> PackingStats  (stats.py)
 """
@@ -18,7 +19,8 @@ from ligertune.data.chat import (
     trained_segments,
 )
 from ligertune.data.formats import Conversation, read_conversations
-from ligertune.data.packing import Pack, best_fit_decreasing, pack, packs_of_one, shift_labels, shuffled
+from ligertune.data.order import OrderReport, order_report, shuffled
+from ligertune.data.packing import Pack, best_fit_decreasing, pack, packs_of_one, shift_labels
 from ligertune.data.prepare import PreparedData, prepare_data
 from ligertune.data.stats import (
     DataStats,
@@ -36,6 +38,7 @@ __all__ = [
     "ConversationError",
     "DataStats",
     "LengthBucket",
+    "OrderReport",
     "Pack",
     "PackingStats",
     "PaddedBatch",
@@ -46,6 +49,7 @@ __all__ = [
     "collate",
     "collate_padded",
     "length_histogram",
+    "order_report",
     "pack",
     "packing_stats",
     "packs_of_one",

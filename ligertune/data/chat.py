@@ -61,6 +61,8 @@ class TokenizedExample:
     input_ids: list[int]
     labels: list[int]
     origin: str = ""
+    source: int = 0
+    """Index of the source it came from: `data.sources` in order (0 for `data.path`), `eval_path` last."""
 
     def __len__(self) -> int:
         return len(self.input_ids)

@@ -3,14 +3,14 @@
 Labels are shifted inside each conversation before packing, so no target crosses a conversation
 boundary (`Pack` draws an example). Packing is best-fit decreasing: the conversations, longest
 first, each go to the open pack with the least room that still fits them, or to a new pack. Ties
-are broken by position, so the result is a function of the lengths alone.
+are broken by position, so the result is a function of the lengths alone. The order in which
+packs are trained is `order.shuffled`'s.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
-import random
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -39,6 +39,7 @@ class Pack:
     targets: list[int]
     seq_lens: list[int]
     example_indices: list[int] = field(default_factory=list)  # which examples, in order
+    sources: list[int] = field(default_factory=list)  # the source of each conversation (`TokenizedExample.source`)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -71,7 +72,7 @@ def make_pack(examples: Sequence[TokenizedExample], indices: Sequence[int]) -> P
         input_ids += examples[i].input_ids
         targets += shift_labels(examples[i].labels)
     seq_lens = [len(examples[i].input_ids) for i in indices]
-    return Pack(input_ids, targets, seq_lens, list(indices))
+    return Pack(input_ids, targets, seq_lens, list(indices), [examples[i].source for i in indices])
 
 
 def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -136,10 +137,3 @@ def packs_of_one(examples: Sequence[TokenizedExample]) -> list[Pack]:
     """One pack per example, in order: the unpacked layout (for `data.packing: false` and references)."""
     return [make_pack(examples, [i]) for i in range(len(examples))]
 
-
-def shuffled(packs: Sequence[Pack], *, seed: int, epoch: int) -> list[Pack]:
-    """The packs in an order that depends only on `(seed, epoch)`: a new order every epoch."""
-    order = list(packs)
-    # A string seed is hashed with SHA-512 by `random`, independent of PYTHONHASHSEED.
-    random.Random(f"ligertune-shuffle:{seed}:{epoch}").shuffle(order)
-    return order

@@ -383,8 +383,10 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, *, seed: int, show_progress: b
     if cfg.eval_path is not None:
         all_sources.append(DataSource(path=cfg.eval_path, format=cfg.format, split=cfg.split))
     loaded = load_sources(cfg, tokenizer, all_sources, show_progress=show_progress)
-    for data in loaded:
+    for i, data in enumerate(loaded):
         check_usable(data)
+        for example in data.examples:  # fresh objects of this call (read or loaded from the cache)
+            example.source = i
 
     train_parts, eval_parts = [], []
     for i, data in enumerate(loaded[: len(train_sources)]):

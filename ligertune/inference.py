@@ -173,14 +173,23 @@ def base_model_config(source: ModelSource, recipe: Recipe | None) -> tuple[Model
 
 
 def load_base_with_adapters(source: ModelSource, *, device: torch.device, dtype: torch.dtype,
-                            tokenizer, recipe: Recipe | None):
-    """The base model with the adapters of `source.model_dir` applied (a `peft.PeftModel`, eval mode)."""
+                            tokenizer, recipe: Recipe | None, dequantize: bool = False):
+    """The base model with the adapters of `source.model_dir` applied (a `peft.PeftModel`, eval mode).
+
+    A base that trained quantized (`model.quantization`, QLoRA) is quantized again as it was; with
+    `dequantize`, its quantized layers are then replaced by plain ones holding the dequantized
+    weights in `dtype`: the weights the adapters were trained over, in a model that merges and saves
+    as any other.
+    """
     from peft import PeftModel
 
     from ligertune.models import build_model
+    from ligertune.models.quantize import dequantize_linears
 
     model_cfg, seed = base_model_config(source, recipe)
     base = build_model(model_cfg, device=device, dtype=dtype, seed=seed, vocab_size=len(tokenizer))
+    if dequantize and model_cfg.quantization is not None:
+        dequantize_linears(base, dtype)
     try:
         with warnings.catch_warnings():  # peft calls an API deprecated in transformers 5: not the user's
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
@@ -209,8 +218,10 @@ def load_for_inference(path: Path, *, device: str = "auto", dtype: str = "auto",
     """A run, checkpoint or model folder loaded for generation on `device` in `dtype`.
 
     LoRA adapters are applied to their base and, with `merge_adapters`, merged into it (the same
-    function, one matmul less per layer and token). `dtype="auto"` is bfloat16 on CUDA and float32
-    on the CPU; errors in `device` and `dtype` name the options `--device` and `--dtype`.
+    function, one matmul less per layer and token), unless the base is quantized: merging would
+    round W + s B A back to 4 or 8 bits, a model other than the one trained. `dtype="auto"` is
+    bfloat16 on CUDA and float32 on the CPU; errors in `device` and `dtype` name the options
+    `--device` and `--dtype`.
     """
     source = locate_model(path)
     torch_device = resolve_device(device, key="--device")
@@ -220,7 +231,7 @@ def load_for_inference(path: Path, *, device: str = "auto", dtype: str = "auto",
     if source.adapters:
         model = load_base_with_adapters(source, device=torch_device, dtype=torch_dtype,
                                         tokenizer=tokenizer, recipe=recipe)
-        if merge_adapters:
+        if merge_adapters and not (recipe is not None and recipe.model.quantization is not None):
             model = model.merge_and_unload()
     else:
         remote = recipe.model.trust_remote_code if recipe is not None else False

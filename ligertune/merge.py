@@ -5,7 +5,9 @@
 
 The base and the adapters are loaded in float32 and merged there (W + s * B @ A, peft's
 `merge_and_unload`); the merged weights are then cast to the output dtype and written with the
-tokenizer and its chat template, atomically (a temporary sibling renamed into place). Before the
+tokenizer and its chat template, atomically (a temporary sibling renamed into place). A base that
+trained quantized (QLoRA) is merged through its dequantized weights, W = dequant(Q(W0)): those the
+adapters were trained over (the original W0 is not what the adapters correct). Before the
 rename the written folder is loaded back with `from_pretrained` and its logits on a short chat are
 compared with those of base + adapters: a merge that does not reproduce them is never left behind.
 """
@@ -64,6 +66,8 @@ class MergeReport:
     """||logits(base + adapters) - logits(base)|| / ||logits(base + adapters)||: what the check can see."""
     replaced: bool
     """An earlier merged model was at `output_dir` and was replaced."""
+    dequantized: str | None = None
+    """The quantization (`nf4`, `int8`) of a QLoRA base, whose dequantized weights were merged."""
 
     @property
     def dtype_name(self) -> str:
@@ -75,6 +79,7 @@ class MergeReport:
             "dtype": self.dtype_name, "tokens_checked": self.tokens_checked,
             "rel_error": self.rel_error, "tolerance": self.tolerance,
             "adapters_effect": self.adapters_effect, "replaced": self.replaced,
+            "dequantized": self.dequantized,
         }
 
 
@@ -112,7 +117,8 @@ def merge_adapters(
     torch_device = resolve_device(device, key="--device")
     requested = None if dtype == "auto" else resolve_dtype(dtype, torch_device, key="--dtype")
     recipe = run_recipe(source)
-    out_dtype = _output_dtype(requested, base_model_config(source, recipe)[0])
+    base_cfg = base_model_config(source, recipe)[0]
+    out_dtype = _output_dtype(requested, base_cfg)
     target = Path(output).expanduser() if output is not None else default_output_dir(source)
     replaced = _check_output(target, source)
     tokenizer = load_tokenizer_for(source, recipe)
@@ -120,7 +126,7 @@ def merge_adapters(
     # Merged in float32 whatever the output dtype: the product B @ A is added at full precision and
     # rounded once, when the weights are cast.
     model = load_base_with_adapters(source, device=torch_device, dtype=torch.float32, tokenizer=tokenizer,
-                                    recipe=recipe)
+                                    recipe=recipe, dequantize=True)
     input_ids = check_input_ids(tokenizer).to(torch_device)
     with torch.no_grad():
         reference = model(input_ids=input_ids).logits.float()
@@ -164,6 +170,7 @@ def merge_adapters(
     return MergeReport(
         output_dir=target, source=source, dtype=out_dtype, tokens_checked=int(input_ids.numel()),
         rel_error=rel_error, tolerance=tolerance, adapters_effect=adapters_effect, replaced=replaced,
+        dequantized=base_cfg.quantization,
     )
 
 

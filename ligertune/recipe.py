@@ -442,8 +442,8 @@ class Recipe:
             problems.append(("data.packing", "packing needs `model.attention: packed`; with "
                              f"{self.model.attention!r} packed conversations would attend to each other"))
         if self.model.quantization is not None and self.lora is None:
-            problems.append(("model.quantization", f"a {self.model.quantization} base is frozen: train LoRA "
-                             "adapters over it (add a `lora` section, e.g. `--set lora.r=16`)"))
+            problems.append(("model.quantization", f"a quantized base ({self.model.quantization}) is frozen: "
+                             "train LoRA adapters over it (add a `lora` section, e.g. `--set lora.r=16`)"))
         if self.train.max_steps is not None and self.optim.warmup_steps > self.train.max_steps:
             problems.append(("optim.warmup_steps",
                              f"{self.optim.warmup_steps} warmup steps is longer than the run "

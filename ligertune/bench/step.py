@@ -589,10 +589,13 @@ def token_mean_weights(targets: torch.Tensor, ignore_index: int) -> torch.Tensor
 
 
 def model_summary(model) -> dict[str, Any]:
+    from ligertune.models.quantize import parameter_count, quantization_of
+
     cfg, flops = model.config, StepFlops.of(model)
     return {
         "type": type(model).__name__,
-        "params": sum(p.numel() for p in model.parameters()),
+        "params": parameter_count(model),  # a quantized weight as the matrix it stands for
+        "quantization": quantization_of(model),
         "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "matmul_params": flops.matmul_params,
         "trained_matmul_params": flops.trained_matmul_params,

@@ -58,6 +58,9 @@ def merge(
     ok = ("ok", "green")
     verb = "replaced" if report.replaced else "wrote"
     console.print(Text(f"merged the LoRA adapters of {report.source.model_dir} into their base model"))
+    if report.dequantized:
+        console.print(Text(f"the base trained in {report.dequantized}: its dequantized weights, those the "
+                           "adapters were trained over, were merged"))
     console.print(Text.assemble(ok, f" {verb} {report.output_dir} "
                                 f"({report.dtype_name} safetensors, tokenizer and chat template)"))
     console.print(Text.assemble(

@@ -18,6 +18,7 @@ from ligertune.devices import resolve_dtype
 from ligertune.errors import EnvironmentFault, UserError, first_line
 from ligertune.models.attention import register_packed_attention
 from ligertune.models.presets import PRESETS, preset_fields
+from ligertune.models.quantize import bnb_config, keep_cpu_layout, quantize_linears
 from ligertune.recipe import ModelConfig, describe_value
 
 # Config keys `transformers` still accepts under their older names (and converts).
@@ -87,6 +88,8 @@ def build_model(
     model's own initializer under `seed` (the global random state is left as it was). `vocab_size`
     (normally `len(tokenizer)`) sets the vocabulary of a model built from a config, unless the config
     declares a larger one; a pretrained model whose embedding is smaller than it is resized.
+    With `model.quantization`, the decoder's linear layers are quantized (`ligertune.models.quantize`):
+    as a pretrained model loads, or once a model built from a config has its weights.
     """
     from transformers import AutoModelForCausalLM
 
@@ -100,23 +103,33 @@ def build_model(
             model = AutoModelForCausalLM.from_config(
                 config, dtype=dtype, attn_implementation=attn, trust_remote_code=remote
             )
+        if model_cfg.quantization is not None:
+            quantize_linears(model, model_cfg.quantization, dtype)
         return model
 
     source = model_cfg.name_or_path
     if source is None:
         raise UserError("model: give `name_or_path` (pretrained) or `config` (random init)")
     offline = _check_source(source, "model.name_or_path")
+    quantized = {}
+    if model_cfg.quantization is not None:
+        # Quantized tensor by tensor as they load, straight onto the device.
+        quantized = dict(quantization_config=bnb_config(model_cfg.quantization, dtype),
+                         device_map={"": str(device)})
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=dtype, attn_implementation=attn, trust_remote_code=remote,
-            local_files_only=offline is not None,
+            local_files_only=offline is not None, **quantized,
         )
     except (OSError, ValueError, KeyError) as err:
         _raise_offline(source, "model.name_or_path", offline)
         raise UserError(
             f"model.name_or_path: cannot load a model from {source!r}: {first_line(err)}"
         ) from None
-    model.to(device)
+    if quantized:
+        keep_cpu_layout(model)
+    else:
+        model.to(device)
     if vocab_size is not None and vocab_size > model.get_input_embeddings().num_embeddings:
         with _seeded(seed, device):
             model.resize_token_embeddings(vocab_size)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -168,3 +169,45 @@ def test_merge_user_errors(lora_run: Path, tmp_path: Path):
     assert (busy / "notes.txt").read_text() == "mine"
     assert_user_error(invoke("merge", lora_run, "--output", lora_run / "final"), "--output:")
     assert_user_error(invoke("merge", lora_run, "--dtype", "fp8"), "--dtype: must be")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
+                    reason="bitsandbytes is not installed (pip install 'ligertune[qlora]')")
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_a_qlora_run_merges_into_its_dequantized_base(tmp_path: Path, kind: str):
+    """The adapters were trained over the dequantized weights D = dequant(Q(W)): each merged weight is
+    D + s B A, in a plain model folder (no quantization config) that loads alone."""
+    from ligertune.models.quantize import dequantize_weight, quantization_of
+    from ligertune.training import train
+    from tiny_recipe import TINY_MODEL
+
+    model = {"config": {**TINY_MODEL, "hidden_size": 64, "intermediate_size": 128}, "quantization": kind}
+    recipe = write_recipe(tmp_path, n_train=16, model=model, lora=LORA, optim={"lr": 1e-2},
+                          train={"eval_every": None, "eval_at_start": False})
+    train(load_recipe(recipe), console=Console(quiet=True))
+    run = tmp_path / "run"
+    result = invoke("merge", run, "--json")
+    assert result.exit_code == 0, result.output + result.stderr
+    report = json.loads(result.output)
+    assert report["dequantized"] == kind and report["dtype"] == "float32"
+    assert report["rel_error"] <= report["tolerance"]
+    assert "quantization_config" not in json.loads((run / "merged" / "config.json").read_text())
+
+    reference, tokenizer = base_and_adapters(run, run / "final")  # the quantized base, as trained
+    assert quantization_of(reference) == kind
+    merged = AutoModelForCausalLM.from_pretrained(run / "merged").eval()
+    assert quantization_of(merged) is None
+    weights = dict(merged.named_parameters())
+    adapted = [(name, module) for name, module in reference.get_base_model().named_modules()
+               if hasattr(module, "lora_A") and hasattr(module, "base_layer")]
+    assert len(adapted) == 7 * model["config"]["num_hidden_layers"]
+    for name, module in adapted:
+        a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+        expected = dequantize_weight(module.base_layer) + module.scaling["default"] * (b @ a)
+        torch.testing.assert_close(weights[f"{name}.weight"], expected, rtol=1e-5, atol=1e-6, msg=name)
+    if kind == "nf4":  # multiplies by exactly the dequantized weight (int8 also rounds the activations)
+        ids = sample_ids(tokenizer)
+        expected = logits(reference, ids)
+        torch.testing.assert_close(logits(merged, ids), expected, rtol=1e-4, atol=1e-5)
+        with reference.disable_adapter():
+            assert relative_error(logits(reference, ids), expected) > 1e-3

@@ -1,0 +1,203 @@
+"""A quantized base for QLoRA: the decoder's linear layers stored in 4 or 8 bits through bitsandbytes.
+
+`model.quantization: nf4` (QLoRA, Dettmers et al. 2023, section 3) stores each weight matrix W of
+the decoder's linear layers as 4-bit codes, one per weight, and one scale per block of 64 weights:
+
+    W[i] ~ absmax_b * NF4[code_i],   absmax_b = max_{j in block b} |W[j]|
+
+where NF4 are the 16 quantiles of a normal distribution scaled to [-1, 1] (the weights of a trained
+layer are about normal). The float32 scales are themselves quantized to 8 bits per block of 256
+(double quantization), so a weight costs about 0.52 bytes instead of 2 in bf16. Forward and
+backward dequantize a layer's weight to `model.dtype` and multiply at that precision: only the
+stored weight is approximate. `int8` is LLM.int8() (Dettmers et al. 2022): W[r, :] ~ SCB[r] / 127 *
+CB[r, :] with int8 codes CB and one scale SCB per output row (1 byte a weight); activations are
+cast to float16 and multiplied in int8 too, except their outlier columns (|x| > 6), which multiply
+the dequantized weight in float16.
+
+What stays in `model.dtype`, unquantized: the embeddings, the norms and the output projection (tied
+to the input embedding or not), so that the fused linear cross-entropy reads one plain weight
+matrix; and the LoRA adapters that train over the frozen quantized layers (float32, peft's default).
+
+A pretrained model is quantized tensor by tensor as `from_pretrained` loads it (a `transformers`
+`BitsAndBytesConfig`: the full-precision model never sits on the device); a model built from a
+config, with random weights, is built in `model.dtype` and its layers are replaced one by one
+(`quantize_linears`), with the same bitsandbytes settings: both give the same stored weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from ligertune.errors import UserError
+
+QUANTIZATIONS = ("nf4", "int8")
+"""The values of `model.quantization`."""
+INT8_THRESHOLD = 6.0
+"""LLM.int8()'s outlier threshold: activation columns with a magnitude above it multiply in float16."""
+EXTRA = "qlora"
+"""The optional dependency group (`pip install 'ligertune[qlora]'`) that brings bitsandbytes."""
+# bitsandbytes warns through these loggers about what is no fault of the run: int8 layers cast their
+# float32/bf16 inputs to float16 (logged on every call), and a CPU with avx512-bf16 lacks an optional
+# kernel from the hub (logged at import).
+_NOISY_LOGGERS = ("bitsandbytes.autograd._functions", "bitsandbytes.backends.cpu.ops")
+
+
+def require_bitsandbytes(kind: str) -> Any:
+    """The `bitsandbytes` module; a `UserError` naming the extra to install when it is missing."""
+    quiet_bitsandbytes()
+    try:
+        import bitsandbytes
+    except ImportError:
+        raise UserError(
+            f"model.quantization: {kind} needs bitsandbytes (the `{EXTRA}` extra): "
+            f"pip install 'ligertune[{EXTRA}]'"
+        ) from None
+    return bitsandbytes
+
+
+def quiet_bitsandbytes() -> None:
+    """Silence bitsandbytes' warnings that are no fault of the run (see `_NOISY_LOGGERS`); its errors
+    still show. Takes effect for the import-time warning only when called before bitsandbytes is
+    first imported (peft imports it whenever it is installed)."""
+    for name in _NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def bnb_config(kind: str, dtype: torch.dtype):
+    """The `transformers.BitsAndBytesConfig` of `quantize_linears`: NF4 with double quantization and
+    `dtype` compute, or LLM.int8() with its outlier threshold. The output projection is left out by
+    `transformers` itself (it keeps the output embedding, and anything tied to it, unquantized)."""
+    from transformers import BitsAndBytesConfig
+
+    require_bitsandbytes(kind)
+    if kind == "nf4":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                  bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype,
+                                  bnb_4bit_quant_storage=torch.uint8)
+    if kind == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=INT8_THRESHOLD)
+    raise UserError(f"model.quantization: must be one of {', '.join(QUANTIZATIONS)}, got {kind!r}")
+
+
+def quantize_linears(model: nn.Module, kind: str, dtype: torch.dtype) -> int:
+    """Replace every `nn.Linear` of a `transformers` model but its output projection by the
+    bitsandbytes layer of `kind` holding the quantized weight, on the weight's device; return how many.
+
+    The layers are replaced one at a time, so the memory of the full-precision weights is given back
+    as it goes. The model is marked `is_loaded_in_4bit` / `is_loaded_in_8bit`, as `from_pretrained`
+    marks it, which is how peft knows to put its LoRA layers for bitsandbytes around them.
+    """
+    bnb = require_bitsandbytes(kind)
+    if kind not in QUANTIZATIONS:
+        raise UserError(f"model.quantization: must be one of {', '.join(QUANTIZATIONS)}, got {kind!r}")
+    head = model.get_output_embeddings()
+    names = [name for name, module in model.named_modules()
+             if type(module) is nn.Linear and module is not head]
+    for name in names:
+        linear = model.get_submodule(name)
+        model.set_submodule(name, _quantized(bnb, linear, kind, dtype))
+    setattr(model, "is_loaded_in_4bit" if kind == "nf4" else "is_loaded_in_8bit", True)
+    keep_cpu_layout(model)
+    return len(names)
+
+
+def keep_cpu_layout(model: nn.Module) -> None:
+    """Keep every 4-bit weight in the layout it was quantized in.
+
+    On a CPU with avx512-bf16, bitsandbytes repacks a 4-bit weight in place for its CPU kernel the
+    first time the layer runs in eval mode without gradients: evaluation would change the weight
+    that training then reads, and the repacking fails for layers narrower than one block of 64.
+    The CPU runs ligertune's tests, not its speed, so the repacking is turned off.
+    """
+    for module in model.modules():
+        if layer_quantization(module) == "nf4":
+            module.support_avx512bf16_for_cpu = False
+
+
+def _quantized(bnb: Any, linear: nn.Linear, kind: str, dtype: torch.dtype) -> nn.Module:
+    """The bitsandbytes layer of `kind` computing `linear` with its weight quantized (frozen)."""
+    device, weight = linear.weight.device, linear.weight.detach()
+    has_bias = linear.bias is not None
+    if kind == "nf4":
+        layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=has_bias,
+                                  compute_dtype=dtype, compress_statistics=True, quant_type="nf4",
+                                  quant_storage=torch.uint8, device="meta")
+        # A Params4bit quantizes itself when it is moved to a device (the CPU included).
+        layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, compress_statistics=True,
+                                         quant_type="nf4", quant_storage=torch.uint8, module=layer).to(device)
+    else:
+        layer = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=has_bias,
+                                    has_fp16_weights=False, threshold=INT8_THRESHOLD, device="meta")
+        # An Int8Params quantizes itself when it is moved from the CPU (as `from_pretrained` loads it).
+        layer.weight = bnb.nn.Int8Params(weight.cpu(), requires_grad=False, has_fp16_weights=False).to(device)
+    if has_bias:
+        layer.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
+    return layer
+
+
+def quantization_of(model: nn.Module) -> str | None:
+    """`nf4` or `int8` when a layer of `model` holds bitsandbytes-quantized weights, else None."""
+    kinds = (layer_quantization(module) for module in model.modules())
+    return next((kind for kind in kinds if kind is not None), None)
+
+
+def parameter_count(model: nn.Module) -> int:
+    """The parameters of `model` (a tied weight once), each quantized weight counted as the
+    out x in matrix it stands for: bitsandbytes packs two 4-bit codes into each stored byte."""
+    total = sum(p.numel() for p in model.parameters())
+    for module in model.modules():
+        if layer_quantization(module) is not None:
+            total += module.in_features * module.out_features - module.weight.numel()
+    return total
+
+
+def layer_quantization(module: nn.Module) -> str | None:
+    """The quantization of a bitsandbytes layer itself (not of peft's LoRA layer of the same name
+    around it), told by its class: bitsandbytes need not be importable to ask."""
+    cls = type(module)
+    if not cls.__module__.startswith("bitsandbytes."):
+        return None
+    return {"Linear4bit": "nf4", "Linear8bitLt": "int8"}.get(cls.__name__)
+
+
+def dequantize_weight(layer: nn.Module) -> torch.Tensor:
+    """The weight a bitsandbytes layer multiplies by, in float32: absmax_b * NF4[code] for NF4
+    (bitsandbytes' own `dequantize_4bit`), SCB[r] / 127 * CB[r, :] for int8."""
+    import bitsandbytes as bnb
+
+    weight = layer.weight
+    if layer_quantization(layer) == "nf4":
+        return bnb.functional.dequantize_4bit(weight.data, weight.quant_state).float()
+    codes = weight.CB if getattr(weight, "CB", None) is not None else weight.data
+    scales = weight.SCB if getattr(weight, "SCB", None) is not None else layer.state.SCB
+    return codes.float() * (scales.float()[:, None] / 127.0)
+
+
+def dequantize_linears(model: nn.Module, dtype: torch.dtype) -> int:
+    """Replace every bitsandbytes layer of `model` by an `nn.Linear` holding its dequantized weight in
+    `dtype` (the function the quantized layer computes, up to its rounding of the activations), and
+    drop the model's quantization marks, so that it saves and loads as a plain model; return how many.
+    """
+    names = [name for name, module in model.named_modules() if layer_quantization(module) is not None]
+    for name in names:
+        layer = model.get_submodule(name)
+        weight = dequantize_weight(layer)
+        linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
+                           device="meta")
+        linear.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
+        if layer.bias is not None:
+            linear.bias = nn.Parameter(layer.bias.detach().to(dtype), requires_grad=False)
+        model.set_submodule(name, linear)
+    # What `from_pretrained` (transformers' quantizer) and `quantize_linears` leave on the model.
+    for attribute in ("hf_quantizer", "quantization_method", "is_quantized", "is_loaded_in_4bit",
+                      "is_loaded_in_8bit"):
+        if attribute in vars(model):
+            delattr(model, attribute)
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "quantization_config"):
+        del config.quantization_config
+    return len(names)

@@ -1,0 +1,269 @@
+"""Fast LoRA: peft's LoRA layers computing peft's values without paying for its generality.
+
+peft's `lora.Linear.forward` computes, for each adapted layer on its own,
+
+    y   = base(x)                                    the frozen layer, in the model dtype
+    x_a = x.to(A.dtype)                              a float32 copy of x under a bf16 model
+    y   = (y + B(A(dropout(x_a))) * s).to(y.dtype)   s = alpha / r, or alpha / sqrt(r) (rsLoRA)
+
+and autograd keeps x_a for the gradient of A. Under a bf16 model peft's adapters are float32
+(`get_peft_model` upcasts them, `autocast_adapter_dtype=True`), so every adapted layer keeps a float32
+copy of its input: twice the bytes of the bf16 input, and five of them for the q, k, v, gate and up
+projections, which read only two distinct tensors.
+
+`patch_lora(model)` gives each of peft's LoRA Linear layers an instance-level forward that computes
+the same y:
+
+- Layers that read one input (`SHARED_INPUTS`: q, k, v of an attention block; gate, up of an MLP)
+  share one product. The first of them to run computes U = x_a cat(A_q, A_k, A_v)^T, one GEMM with
+  r_q + r_k + r_v columns, and takes its own columns; the others find theirs waiting for that very
+  tensor x (checked by identity and version counter, so any other input is computed afresh).
+- The autograd function of that product (`shared_lora_a`) saves x itself, not x_a: one bf16 tensor
+  for the whole group, which the model usually keeps anyway. Backward casts it again and computes
+  grad cat(A) = dU^T x_a and dx = dU cat(A), one GEMM each for the group.
+- B, the scaling and the sum are peft's operations in peft's order, the scaling and the sum done in
+  place on the B product (autograd keeps the product's inputs, not the product), so y rounds as
+  peft's does. With dropout 0 peft's `Identity` is not called.
+
+What is left to autograd: per layer, the columns of U (tokens x r, for grad B) and the adapter
+weights; per group, x. The parameters and modules are peft's own, untouched, so `save_pretrained`,
+`PeftModel.from_pretrained`, `merge_and_unload` and `ligertune merge` see no difference.
+
+A layer keeps peft's forward where the shortcut would not compute peft's values: dropout > 0 (each
+layer draws its own mask, so there is nothing to share), a LoRA variant (DoRA), several active
+adapters; and, checked at every call, adapters disabled or merged, another adapter made active,
+autocast, extra arguments (peft's `adapter_names`). Groups are formed only for the families of
+`PATCH_TABLE`, whose modeling code is known to call q, k, v (gate, up) on one tensor; elsewhere each
+layer is a group of one, which still keeps no float32 copy of its input.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ligertune.models.patching import PATCH_TABLE
+from ligertune.models.unwrap import unwrap_model
+
+SHARED_INPUTS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Names of sibling layers that every family of `PATCH_TABLE` calls on one and the same tensor."""
+
+
+@dataclass
+class LoraPatchReport:
+    """What `patch_lora` changed."""
+
+    modules: int = 0
+    """LoRA Linear layers now running the fast forward."""
+    shared: int = 0
+    """Groups of two or more of them sharing one A product."""
+    kept: Counter = field(default_factory=Counter)
+    """Reason -> number of LoRA layers left on peft's forward."""
+
+    def describe(self) -> str:
+        """One line, e.g. `lora: 14 layers, 4 shared A products`."""
+        text = f"lora: {self.modules} layers, {self.shared} shared A products"
+        if self.kept:
+            text += " (peft's forward: " + ", ".join(f"{n} with {why}" for why, n in self.kept.items()) + ")"
+        return text
+
+
+# --------------------------------------------------------------------------------------------------
+# the shared A product
+
+
+class _SharedLoraA(torch.autograd.Function):
+    """U = x.to(dtype) @ cat(weights)^T, saving x (not its cast copy) for backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        w = _cat(weights)
+        ctx.save_for_backward(x, *weights)
+        # F.linear, as nn.Linear, so that a group of one is peft's own product.
+        return F.linear(x.to(w.dtype), w)
+
+    @staticmethod
+    def backward(ctx, du: torch.Tensor):
+        x, *weights = ctx.saved_tensors
+        w = _cat(weights)
+        du = du.reshape(-1, du.shape[-1])
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = (du @ w).to(x.dtype).view(x.shape)
+        grads: list[torch.Tensor | None] = [None] * len(weights)
+        if any(ctx.needs_input_grad[1:]):
+            # The cast copy exists again only for this product, not from forward to backward.
+            dw = du.t() @ x.reshape(-1, x.shape[-1]).to(w.dtype)
+            parts = dw.split([v.shape[0] for v in weights])
+            grads = [g if need else None for g, need in zip(parts, ctx.needs_input_grad[1:])]
+        return dx, *grads
+
+
+def _cat(weights) -> torch.Tensor:
+    return weights[0] if len(weights) == 1 else torch.cat(weights)
+
+
+def shared_lora_a(x: torch.Tensor, weights: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """(x_a A_1^T, x_a A_2^T, ...) with x_a = x.to(A.dtype), computed as one GEMM over cat(A_i).
+
+    The results are column slices of one [..., sum r_i] tensor. Autograd keeps x (in its own dtype)
+    and the weights; backward is one GEMM for the weights' gradient and one for x's.
+    """
+    u = _SharedLoraA.apply(x, *weights)
+    return u.split([w.shape[0] for w in weights], dim=-1)
+
+
+class _SharedInput:
+    """LoRA layers of one block that read the same input, in the order of `SHARED_INPUTS`.
+
+    `product(i, x)` returns layer i's x_a A_i^T. The first call for a tensor x computes the products
+    of every layer of the group and keeps the others' until they are asked for with that same x; the
+    last one taken releases x.
+    """
+
+    def __init__(self, members: list[tuple[nn.Module, str]]):
+        self.members = members
+        self._x: torch.Tensor | None = None
+        self._version = -1
+        self._waiting: list[torch.Tensor | None] = []
+
+    def product(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        if self._x is x and x._version == self._version and self._waiting[index] is not None:
+            part, self._waiting[index] = self._waiting[index], None
+            if all(p is None for p in self._waiting):
+                self._release()
+            return part
+        parts = list(shared_lora_a(x, [m.lora_A[a].weight for m, a in self.members]))
+        part, parts[index] = parts[index], None
+        self._release()
+        if len(parts) > 1:
+            self._x, self._version, self._waiting = x, x._version, parts
+        return part
+
+    def _release(self) -> None:
+        self._x, self._version, self._waiting = None, -1, []
+
+
+# --------------------------------------------------------------------------------------------------
+# the layer forward
+
+
+def _fast_lora_forward(
+    module: nn.Module, x: torch.Tensor, *args, group: _SharedInput, index: int, adapter: str, **kwargs
+) -> torch.Tensor:
+    if args or kwargs or not _fast_now(module, x, adapter):
+        return type(module).forward(module, x, *args, **kwargs)
+    result = module.base_layer(x)
+    delta = module.lora_B[adapter](group.product(index, x))
+    delta = delta.mul_(module.scaling[adapter])
+    # peft's `result + delta`; in place where it has delta's dtype (float32 adapters over bf16).
+    if delta.dtype == torch.promote_types(delta.dtype, result.dtype):
+        out = delta.add_(result)
+    else:
+        out = result + delta
+    return out.to(result.dtype)
+
+
+def _fast_now(module: nn.Module, x: torch.Tensor, adapter: str) -> bool:
+    """Whether peft's forward would now compute base(x) + s B(A(x)) with exactly this adapter."""
+    return (
+        not module.disable_adapters
+        and not module.merged
+        and list(module.active_adapters) == [adapter]
+        and _kept_reason(module, adapter) is None
+        and getattr(module, "cast_input_dtype_enabled", True)
+        and not torch.is_autocast_enabled(x.device.type)
+        and not x.is_inference()  # no version counter to key the shared product on
+    )
+
+
+def _kept_reason(module: nn.Module, adapter: str) -> str | None:
+    """Why this layer must keep peft's forward for `adapter`, or None."""
+    if adapter not in module.lora_A:
+        return "another adapter active"
+    if adapter in getattr(module, "lora_variant", {}) or module.use_dora.get(adapter, False):
+        return "a LoRA variant (DoRA, ...)"
+    if not isinstance(module.lora_dropout[adapter], nn.Identity):
+        return "dropout > 0"
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# apply / revert
+
+
+def patch_lora(model: nn.Module) -> LoraPatchReport:
+    """Give every LoRA Linear layer of a peft model the fast forward; see the module docstring.
+
+    Layers of other types (bitsandbytes' quantized LoRA layers, embeddings) keep peft's forward.
+    Patching twice is harmless; `unpatch_lora` reverts.
+    """
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    unpatch_lora(model)
+    base = unwrap_model(model)
+    share = getattr(getattr(base, "config", None), "model_type", None) in PATCH_TABLE
+    report = LoraPatchReport()
+    ready: dict[str, tuple[nn.Module, str]] = {}
+    for name, module in base.named_modules():
+        if type(module) is not LoraLinear:
+            continue
+        active = list(module.active_adapters)
+        reason = "several active adapters" if len(active) != 1 else _kept_reason(module, active[0])
+        if reason is not None:
+            report.kept[reason] += 1
+        else:
+            ready[name] = (module, active[0])
+
+    groups: list[list[tuple[nn.Module, str]]] = []
+    grouped: set[str] = set()
+    for name in ready:
+        parent, _, leaf = name.rpartition(".")
+        names = next((g for g in SHARED_INPUTS if leaf in g), None) if share else None
+        if names is None or name in grouped:
+            continue
+        siblings = [n for n in (f"{parent}.{s}" if parent else s for s in names) if n in ready]
+        if len(siblings) > 1 and _can_share([ready[n] for n in siblings]):
+            groups.append([ready[n] for n in siblings])
+            grouped.update(siblings)
+    groups += [[ready[n]] for n in ready if n not in grouped]
+
+    for members in groups:
+        group = _SharedInput(members)
+        for index, (module, adapter) in enumerate(members):
+            module.forward = functools.partial(_fast_lora_forward, module, group=group, index=index,
+                                               adapter=adapter)
+        report.modules += len(members)
+        report.shared += len(members) > 1
+    return report
+
+
+def _can_share(members: list[tuple[nn.Module, str]]) -> bool:
+    """One GEMM needs one adapter name, one weight dtype and device, and one input width."""
+    weights = [m.lora_A[a].weight for m, a in members]
+    return (
+        len({a for _, a in members}) == 1
+        and len({(w.dtype, w.device, w.shape[1]) for w in weights}) == 1
+    )
+
+
+def unpatch_lora(model: nn.Module) -> None:
+    """Put peft's forward back on every layer that `patch_lora` changed."""
+    for module in unwrap_model(model).modules():
+        if _is_fast(module):
+            del module.forward
+
+
+def is_lora_patched(model: nn.Module) -> bool:
+    """Whether any LoRA layer of the model runs the fast forward."""
+    return any(_is_fast(m) for m in unwrap_model(model).modules())
+
+
+def _is_fast(module: nn.Module) -> bool:
+    forward = module.__dict__.get("forward")
+    return isinstance(forward, functools.partial) and forward.func is _fast_lora_forward

@@ -10,13 +10,13 @@ import peft
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import FAMILIES, make_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ligertune.models.lora import is_lora_patched, patch_lora, shared_lora_a, unpatch_lora
 from ligertune.numerics import relative_error
 from ligertune.recipe import KernelsConfig, LoraConfig, ModelConfig, Recipe
-from ligertune.training.build import build_model, enable_gradient_checkpointing, wrap_lora
-from tiny_models import FAMILIES, make_model
+from ligertune.training.build import build_model, enable_gradient_checkpointing
 
 LAYERS = 2
 ALL_LINEAR = {"lora": "all-linear", "shared": 2 * LAYERS, "layers": 7 * LAYERS}
@@ -279,8 +279,8 @@ def test_saved_adapters_load_with_peft(tmp_path):
     saved = {n: p for n, p in fast.named_parameters() if "lora_" in n}
     reloaded = {n: p for n, p in loaded.named_parameters() if "lora_" in n}
     assert saved.keys() == reloaded.keys()
-    for name in saved:
-        assert torch.equal(saved[name], reloaded[name]), name
+    for name, param in saved.items():
+        assert torch.equal(param, reloaded[name]), name
     fast.eval(), loaded.eval()
     with torch.no_grad():
         assert relative_error(fast(ids).logits, loaded(ids).logits) <= 1e-6
@@ -300,6 +300,8 @@ def test_dropout_keeps_peft_forward():
     torch.manual_seed(3)
     logits, loss, grads = logits_loss_grads(fast, ids, targets)
     assert torch.equal(logits, reference[0]) and torch.equal(loss, reference[1])
+    assert grads.keys() == reference[2].keys()
+    assert all(torch.equal(grads[n], reference[2][n]) for n in grads)
 
 
 def test_disabled_merged_and_unpatched_adapters():

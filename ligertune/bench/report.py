@@ -16,6 +16,7 @@ KERNEL_TITLES = {
     "rms_norm": "RMSNorm, forward + backward",
     "rope": "rotary embedding (q and k), forward + backward",
     "swiglu": "SwiGLU, forward + backward",
+    "lion": "Lion optimizer step, in place",
 }
 
 
@@ -59,23 +60,27 @@ def kernel_tables(report) -> list[Table]:
         table = Table(title=title, title_justify="left", title_style="bold",
                       caption=_escape("\n".join(notes)) or None, caption_justify="left")
         table.add_column("implementation", overflow="fold", min_width=18)
-        for name in ("ms", rate, "extra MiB", "speed-up", "err out", "err grad"):
+        roofline = ("% peak", "% copy") if rate == "GB/s" else ()
+        columns = ("ms", rate, *roofline, "extra MiB", "speed-up", "err out", "err grad")
+        for name in columns:
             table.add_column(name, justify="right", no_wrap=True)
         for row in rows:
             err_out, err_grad = split_errors(row.errors)
             timing = row.timing
             extra = timing.extra_peak_mib if timing else None
             if row.status == "ok":
+                shares = [_percent(row.of_peak_bandwidth), _percent(row.of_copy_bandwidth)] if roofline else []
                 cells = [
                     fmt(timing.median_ms, ".4g"),
                     fmt(row.tflops if kernel == "flce" else row.gbps, ".4g"),
+                    *shares,
                     fmt(extra, ".0f" if extra is not None and extra >= 10 else ".2g"),
                     fmt(row.vs_ligertune, ".2f", "x"),
                     fmt_error(err_out),
                     fmt_error(err_grad),
                 ]
             else:
-                cells = ["-"] * 6
+                cells = ["-"] * len(columns)
             if row.status != "ok":
                 name = f"[{'red' if row.status == 'failed' else 'dim'}]{row.impl} *[/]"
             elif row.impl.startswith("ligertune"):
@@ -85,6 +90,20 @@ def kernel_tables(report) -> list[Table]:
             table.add_row(name, *cells)
         tables.append(table)
     return tables
+
+
+def _percent(fraction: float | None) -> str:
+    return fmt(None if fraction is None else 100 * fraction, ".0f", "%")
+
+
+def roofline_line(report) -> str | None:
+    """The line under the header that says what the GB/s rows are held against (None off CUDA)."""
+    parts = []
+    if report.peak_gbps:
+        parts.append(f"% peak of the data sheet's {report.peak_gbps:,.0f} GB/s")
+    if report.copy_gbps:
+        parts.append(f"% copy of a device-to-device copy's {report.copy_gbps:,.0f} GB/s, measured now")
+    return "memory roofline: " + "; ".join(parts) if parts else None
 
 
 def _status_text(row) -> str:
@@ -261,9 +280,11 @@ def plot_frontier(report, path: Path) -> None:
     if not rows:
         raise UserError("--plot: no setting was measured with its peak memory (a GPU is needed), nothing to draw")
     fig, ax = plt.subplots(figsize=(8, 5))
+    peer_colours = iter(["tab:blue", "tab:green", "tab:purple", "tab:brown", "tab:gray"])
     for name in dict.fromkeys(r.name for r in rows):
         points = sorted((r.peak_mem_gib, r.tokens_per_s, r.checkpointing) for r in rows if r.name == name)
-        style = {"color": "tab:orange", "linewidth": 2} if name.startswith("ligertune") else {}
+        ours = name.startswith("ligertune")
+        style = {"color": "tab:orange" if ours else next(peer_colours, "black"), "linewidth": 2 if ours else 1.2}
         frontier, best = [], 0.0
         for memory, rate, _ in points:
             best = max(best, rate)

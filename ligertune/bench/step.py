@@ -413,7 +413,8 @@ class _StepBench:
         planner = CheckpointPlanner(model, layers, allocator, budget)
         with planner.measuring():
             step()
-        return f"auto: {planner.plan.checkpointed} of {len(layers)} layers"
+        plan = planner.plan
+        return f"auto: {plan.checkpointed} of {len(layers)} layers (predicted {plan.predicted_peak_gib:.1f} GiB)"
 
     def _hf(self) -> list[StepRow]:
         model = self._model(attention="sdpa").module

@@ -1,8 +1,9 @@
 """Other libraries that `ligertune bench` measures against, imported only when asked for.
 
-Liger-Kernel (`liger-kernel`) and Cut Cross-Entropy (`cut-cross-entropy`) are optional: a peer
-that is not importable is reported as "not installed", never an error. Both run Triton kernels
-that need CUDA; on a CPU they are reported as skipped.
+Liger-Kernel (`liger-kernel`), Cut Cross-Entropy (`cut-cross-entropy`) and, for the Lion step,
+lion-pytorch (`lion-pytorch`) are optional: a peer that is not importable is reported as "not
+installed", never an error. Rows that run Triton kernels need CUDA and are reported as skipped on
+a CPU; lion-pytorch's plain and foreach optimizers run there too.
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ from dataclasses import dataclass
 
 from ligertune.errors import first_line
 
-PEERS = {"liger": ("liger-kernel", "liger_kernel"), "cce": ("cut-cross-entropy", "cut_cross_entropy")}
+PEERS = {
+    "liger": ("liger-kernel", "liger_kernel"),
+    "cce": ("cut-cross-entropy", "cut_cross_entropy"),
+    "lion": ("lion-pytorch", "lion_pytorch"),
+}
 """Peer key -> (distribution name, import name)."""
 
 NOT_INSTALLED = "not installed"
@@ -58,6 +63,6 @@ def versions() -> dict[str, str | None]:
     """Versions of ligertune, its stack and the peers, as reported in every bench result."""
     import ligertune
 
-    names = ("torch", "triton", "transformers", *(d for d, _ in PEERS.values()))
+    names = ("torch", "triton", "transformers", "bitsandbytes", *(d for d, _ in PEERS.values()))
     # ligertune's own version from the package: a source checkout need not be installed.
     return {"ligertune": ligertune.__version__, **{name: package_version(name) for name in names}}

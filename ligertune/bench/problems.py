@@ -25,6 +25,12 @@ every row of a shape:
     rms_norm:        bytes of x, w, y (forward) + dy, x, w, dx, dw (backward)
     swiglu:          bytes of gate, up, y (forward) + dy, gate, up, dgate, dup (backward)
     rope:            bytes of q, k, cos, sin, q', k' (forward) + the same count backward
+    lion:            bytes of one optimizer step, p, g, m read and p, m written, each row in its
+                     own dtypes (`lion_bytes`); no backward
+
+The Lion step (`lion_problem`) is the one problem whose rows share their inputs, in place (an 8B
+model leaves no room for a copy per row), and whose error each row measures on a small sample
+against the formula in float64; its rows are described there.
 """
 
 from __future__ import annotations
@@ -55,7 +61,13 @@ class Impl:
     """One row: `run(inputs)` returns the outputs whose (sum with upstream gradients) is backpropagated.
 
     semantics: the reference the row is checked against ("plain" or "options").
-    manual: `run` does all its work itself (the GEMM floor): no backward, no error.
+    manual: `run` does all its work itself (the GEMM floor, an optimizer step): no backward; its
+        error comes from the problem's `check`, if it has one.
+    peer_on_cpu: a peer row that also runs on a CPU (other peer rows need CUDA).
+    setup, teardown: called before the row's first call and after its last, outside the timing
+        (building what the row needs once, such as an optimizer over the problem's tensors).
+    bytes: the row's own nominal bytes, where its storage differs from the problem's.
+    baseline: the row whose time this one's speed-up is taken against (default: the first row).
     """
 
     name: str
@@ -64,21 +76,35 @@ class Impl:
     compiled: bool = False
     semantics: str = "plain"
     manual: bool = False
+    peer_on_cpu: bool = False
+    setup: Callable[[], None] | None = None
+    teardown: Callable[[], None] | None = None
+    bytes: float | None = None
+    baseline: str | None = None
 
 
 @dataclass
 class Problem:
-    """One kernel at one shape: leaf inputs, upstream gradients, names of what is compared, work counts."""
+    """One kernel at one shape: leaf inputs, upstream gradients, names of what is compared, work counts.
+
+    copy_inputs: every row runs on its own copy of the inputs (False: all rows work in place on the
+        one set, for an optimizer step over billions of parameters that leaves no room for a copy;
+        the step's work does not depend on the values).
+    check: `check(impl)` -> {name: relative error} for a manual row, measured by the problem itself
+        (on a small sample of its own, when the inputs are too large to copy).
+    """
 
     kernel: str
     dims: dict[str, int]
     inputs: dict[str, torch.Tensor]
     grad_outputs: tuple[torch.Tensor, ...] | None  # None: the single output is a scalar loss
     output_names: tuple[str, ...]
-    reference: Callable[[dict[str, torch.Tensor], str], tuple[torch.Tensor, ...]]
+    reference: Callable[[dict[str, torch.Tensor], str], tuple[torch.Tensor, ...]] | None
     impls: list[Impl]
     flops: float | None = None
     bytes: float | None = None
+    copy_inputs: bool = True
+    check: Callable[[Impl], dict[str, float]] | None = None
 
     @property
     def leaves(self) -> list[tuple[str, torch.Tensor]]:
@@ -316,6 +342,207 @@ def _eager_rope(q, k, cos, sin):
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+# --------------------------------------------------------------------------------------------------
+# The Lion optimizer step
+
+
+LION_HYPERPARAMETERS = {"lr": 1e-4, "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.1}
+"""Every row takes one step with these (Lion's usual scale); the time does not depend on them."""
+
+REFERENCE_GROUP_ELEMENTS = 2**28
+"""The foreach twin is called on groups of tensors of at most this many elements (a larger tensor
+alone): on 16-bit parameters it makes four float32 temporaries of its input's size (parameter and
+gradient copies, the update, the NaN carrier), 4 GiB a group instead of 128 GB for an 8B model."""
+
+LION_PROBE_SHAPES = ((37, 41), (4099,), (7,))
+"""The sample on which every row's error is measured: odd sizes, one tensor longer than a block."""
+
+_SHORT_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def lion_shapes(dims: dict[str, int]) -> list[tuple[int, ...]]:
+    """The parameter shapes of a Llama-style decoder of L layers, hidden size H, MLP width I and
+    vocabulary V: the embedding [V, H]; per layer the q and o projections [H, H], k and v [H/4, H]
+    (grouped-query attention with a quarter of the heads for K and V, as Llama 3's 8 of 32), gate and
+    up [I, H], down [H, I] and two norms [H]; the final norm; and with E = 2 an untied output layer
+    [V, H]. Llama-3.2-1B is 16x2048x8192x128256x1 (1.24e9 parameters), Llama-3.1-8B
+    32x4096x14336x128256x2 (8.03e9)."""
+    layers, hidden, width, vocab, embeddings = (dims[k] for k in ("L", "H", "I", "V", "E"))
+    kv = max(1, hidden // 4)
+    layer = [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden),
+             (width, hidden), (width, hidden), (hidden, width), (hidden,), (hidden,)]
+    return [(vocab, hidden), *layer * layers, (hidden,), *[(vocab, hidden)] * (embeddings - 1)]
+
+
+def lion_bytes(n: int, param_dtype: torch.dtype, momentum_dtype: torch.dtype) -> int:
+    """Bytes one step must move over n elements: p, g, m read once, p and m written once,
+    n (2 s_p + s_g + 2 s_m) (docs/kernels.md): 14 n for bf16 p and g with a float32 m."""
+    s_p = torch.empty((), dtype=param_dtype).element_size()
+    s_m = torch.empty((), dtype=momentum_dtype).element_size()
+    return n * (3 * s_p + 2 * s_m)
+
+
+class LionRow:
+    """One way of taking the step. `make(params, grads, moments)` returns the step over those lists,
+    having built once what it needs (groups, an optimizer); `setup` builds it on the problem's
+    tensors (after `prepare`, e.g. drawing the momentum it keeps), `run` takes it."""
+
+    def __init__(self, make: Callable, tensors: tuple[list, list, list], momentum_dtype: torch.dtype,
+                 prepare: Callable[[], None] | None = None):
+        self.make, self.tensors, self.momentum_dtype, self.prepare = make, tensors, momentum_dtype, prepare
+        self.step: Callable[[], object] | None = None
+
+    def setup(self) -> None:
+        if self.prepare is not None:
+            self.prepare()
+        self.step = self.make(*self.tensors)
+
+    def teardown(self) -> None:
+        self.step = None
+
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> tuple:
+        self.step()
+        return ()
+
+
+def lion_problem(dims: dict[str, int], device: torch.device, dtype: torch.dtype, seed: int) -> Problem:
+    """One Lion step over the parameters of `lion_shapes(dims)`, in place, per row:
+
+        ligertune, m fp32          `ligertune.kernels.lion_step` with the float32 momentum that
+                                   `ligertune.training.lion.Lion` keeps
+        torch foreach, m fp32      its pure-torch twin, `reference.lion_step` (torch._foreach_* ops),
+                                   on groups of `REFERENCE_GROUP_ELEMENTS`
+        ligertune, m <dtype>       ligertune with the momentum in the parameters' dtype (16-bit
+                                   parameters only): the layout of the rows below
+        lion-pytorch [foreach | triton], m <dtype>
+                                   lion-pytorch's `Lion` (a loop of torch ops per tensor), its
+                                   `lion_pytorch.foreach.Lion`, and `Lion(use_triton=True)` (one
+                                   Triton launch per tensor, CUDA only), each with its own momentum
+                                   layout, the parameters' dtype; when importable
+
+    The momentum of the rows that keep it in a 16-bit dtype is laid in the first bytes of the
+    float32 one (an 8B model leaves no room for a second), redrawn before each such row. Each row's
+    bytes are `lion_bytes` in its own dtypes, and its speed-up is taken against the ligertune row
+    with the same momentum. Errors: each row steps a small sample (`LION_PROBE_SHAPES`) once,
+    against the formula in float64 (`param`, `momentum`).
+    """
+    gen = _generator(device, seed)
+    shapes = lion_shapes(dims)
+    params = [_randn(s, gen=gen, device=device, dtype=dtype, scale=0.02) for s in shapes]
+    grads = [_randn(s, gen=gen, device=device, dtype=dtype, scale=1e-3) for s in shapes]
+    moments = [_randn(s, gen=gen, device=device, dtype=torch.float32, scale=1e-3) for s in shapes]
+    low = moments if dtype == torch.float32 else [_reinterpret(m, dtype) for m in moments]
+    n = sum(p.numel() for p in params)
+
+    def redraw_low() -> None:
+        for m in low:
+            m.normal_(0.0, 1e-3, generator=gen)
+
+    from ligertune import kernels
+
+    path = kernels.active_path(device)
+    wide, narrow = _SHORT_DTYPES[torch.float32], _SHORT_DTYPES[dtype]
+    ours = f"{LIGERTUNE} ({path}), m {wide}"
+    ours_low = f"{LIGERTUNE} ({path}), m {narrow}" if dtype != torch.float32 else ours
+    specs = [
+        (ours, _ligertune_lion, moments, None, None),
+        (f"torch foreach, m {wide}", _foreach_lion, moments, None, None),
+    ]
+    if dtype != torch.float32:
+        specs.append((ours_low, _ligertune_lion, low, redraw_low, None))
+    for variant, suffix in (("plain", ""), ("foreach", " foreach"), ("triton", " triton")):
+        specs.append((f"lion-pytorch{suffix}, m {narrow}", _lion_pytorch(variant), low, redraw_low, variant))
+
+    impls = []
+    for name, make, momenta, prepare, variant in specs:
+        row = LionRow(make, (params, grads, momenta), momenta[0].dtype, prepare)
+        impls.append(Impl(
+            name, row, manual=True, setup=row.setup, teardown=row.teardown,
+            bytes=lion_bytes(n, dtype, row.momentum_dtype),
+            baseline=ours_low if row.momentum_dtype == dtype else ours,
+            peer="lion" if variant else None, peer_on_cpu=variant in ("plain", "foreach"),
+        ))
+    return Problem(
+        "lion", dims, {}, None, ("param", "momentum"), None, impls,
+        bytes=lion_bytes(n, dtype, torch.float32), copy_inputs=False,
+        check=lambda impl: _lion_errors(impl.run, device, dtype, seed),
+    )
+
+
+def _reinterpret(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of `t`'s shape in `dtype` over the first bytes of `t`'s memory (a narrower dtype)."""
+    return t.view(-1).view(dtype)[: t.numel()].view(t.shape)
+
+
+def _ligertune_lion(params, grads, moments):
+    from ligertune import kernels
+
+    return lambda: kernels.lion_step(params, grads, moments, **LION_HYPERPARAMETERS)
+
+
+def _foreach_lion(params, grads, moments):
+    from ligertune.kernels import reference
+
+    groups, size = [([], [], [])], 0
+    for p, g, m in zip(params, grads, moments):
+        if size and size + p.numel() > REFERENCE_GROUP_ELEMENTS:
+            groups.append(([], [], []))
+            size = 0
+        for members, t in zip(groups[-1], (p, g, m)):
+            members.append(t)
+        size += p.numel()
+
+    def step():
+        for ps, gs, ms in groups:
+            reference.lion_step(ps, gs, ms, **LION_HYPERPARAMETERS)
+
+    return step
+
+
+def _lion_pytorch(variant: str):
+    """`make` for lion-pytorch's optimizer: parameters that share the tensors' memory, their
+    gradients set, and its state seeded with the momenta (as it would create them, in the
+    parameters' dtype, but with values)."""
+
+    def make(params, grads, moments):
+        if variant == "foreach":
+            from lion_pytorch.foreach import Lion
+        else:
+            from lion_pytorch import Lion
+        leaves = [torch.nn.Parameter(p) for p in params]  # same memory as `p`
+        for leaf, g in zip(leaves, grads):
+            leaf.grad = g
+        hp = LION_HYPERPARAMETERS
+        options = {"use_triton": True} if variant == "triton" else {}
+        optimizer = Lion(leaves, lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]),
+                         weight_decay=hp["weight_decay"], **options)
+        for leaf, m in zip(leaves, moments):
+            optimizer.state[leaf]["exp_avg"] = m
+        return optimizer.step
+
+    return make
+
+
+def _lion_errors(row: LionRow, device: torch.device, dtype: torch.dtype, seed: int) -> dict[str, float]:
+    """The row's step on a fresh sample, against c = b1 m + (1 - b1) g,
+    p' = p (1 - lr wd) - lr sign(c), m' = b2 m + (1 - b2) g computed in float64."""
+    from ligertune.numerics import relative_error
+
+    gen = _generator(device, seed + 1)
+    params = [_randn(s, gen=gen, device=device, dtype=dtype, scale=0.02) for s in LION_PROBE_SHAPES]
+    grads = [_randn(s, gen=gen, device=device, dtype=dtype, scale=1e-3) for s in LION_PROBE_SHAPES]
+    moments = [_randn(s, gen=gen, device=device, dtype=row.momentum_dtype, scale=1e-3) for s in LION_PROBE_SHAPES]
+    p, g, m = (torch.cat([t.double().reshape(-1) for t in ts]) for ts in (params, grads, moments))
+    hp = LION_HYPERPARAMETERS
+    c = hp["beta1"] * m + (1 - hp["beta1"]) * g
+    want_p = p * (1 - hp["lr"] * hp["weight_decay"]) - hp["lr"] * torch.sign(c)
+    want_m = hp["beta2"] * m + (1 - hp["beta2"]) * g
+    row.make(params, grads, moments)()
+    got_p, got_m = (torch.cat([t.reshape(-1) for t in ts]) for ts in (params, moments))
+    return {"param": relative_error(got_p, want_p), "momentum": relative_error(got_m, want_m)}
+
+
 PROBLEMS = {
     "flce": flce_problem, "rms_norm": rms_norm_problem, "rope": rope_problem, "swiglu": swiglu_problem,
+    "lion": lion_problem,
 }

@@ -28,6 +28,8 @@ class KernelRow:
     gbps: float | None = None
     vs_ligertune: float | None = None
     errors: dict[str, float] = field(default_factory=dict)
+    of_peak_bandwidth: float | None = None  # gbps / the data-sheet memory bandwidth
+    of_copy_bandwidth: float | None = None  # gbps / a device-to-device copy's, measured in the run
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -44,6 +46,8 @@ class KernelRow:
             "extra_peak_mib": None,
             "tflops": self.tflops,
             "gbps": self.gbps,
+            "of_peak_bandwidth": self.of_peak_bandwidth,
+            "of_copy_bandwidth": self.of_copy_bandwidth,
             "vs_ligertune": self.vs_ligertune,
             "errors": self.errors,
         }
@@ -55,7 +59,8 @@ class KernelRow:
 
 @dataclass
 class KernelReport:
-    """Every row, with what a reader needs to trust them: device, dtype, path, versions, date."""
+    """Every row, with what a reader needs to trust them: device, dtype, path, versions, date, and
+    the memory roofline the GB/s rows are held against (None where unknown, as on a CPU)."""
 
     device: str
     device_type: str
@@ -68,6 +73,10 @@ class KernelReport:
     versions: dict[str, str | None]
     date: str
     rows: list[KernelRow]
+    peak_gbps: float | None = None
+    """The device's memory bandwidth from its data sheet (or `--peak-gbps`)."""
+    copy_gbps: float | None = None
+    """A device-to-device copy's bandwidth, measured in the same run."""
 
     def to_dict(self) -> dict[str, Any]:
         data = {k: v for k, v in dataclasses.asdict(self).items() if k != "rows"}

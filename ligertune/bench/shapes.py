@@ -7,13 +7,20 @@ import re
 
 from ligertune.errors import UserError
 
-KERNELS = ("flce", "rms_norm", "rope", "swiglu")
+KERNELS = ("flce", "rms_norm", "rope", "swiglu", "lion")
+
+DEFAULT_KERNELS = ("flce", "rms_norm", "rope", "swiglu")
+"""What `bench kernels` runs unless told: the Lion step is asked for by name (`-k lion`), since its
+8B problem alone takes 60 GiB."""
 
 SHAPE_DIMS = {
     "flce": ("N", "H", "V"),
     "rms_norm": ("T", "H"),
     "rope": ("B", "L", "Hq", "Hk", "D"),
     "swiglu": ("T", "I"),
+    # The parameters of a Llama-style decoder (`problems.lion_shapes`): layers, hidden, MLP width,
+    # vocabulary, embedding matrices (1: the output layer tied to the input one; 2: untied).
+    "lion": ("L", "H", "I", "V", "E"),
 }
 """Names of each kernel's dimensions, in the order `--shapes` gives them."""
 
@@ -24,6 +31,9 @@ GPU_SHAPES = {
     "rms_norm": [(16384, 4096)],
     "rope": [(4, 4096, 32, 8, 128)],
     "swiglu": [(16384, 14336)],
+    # Llama-3.2-1B (1.24e9 parameters in 146 tensors) and Llama-3.1-8B (8.03e9 in 291): bf16
+    # parameters and gradients with a float32 momentum take 9.2 and 59.8 GiB (an H100 has 79).
+    "lion": [(16, 2048, 8192, 128256, 1), (32, 4096, 14336, 128256, 2)],
 }
 CPU_SHAPES = {
     # Odd sizes on purpose: no implementation may lean on powers of two.
@@ -31,6 +41,7 @@ CPU_SHAPES = {
     "rms_norm": [(1031, 768)],
     "rope": [(2, 255, 8, 2, 64)],
     "swiglu": [(1031, 1376)],
+    "lion": [(3, 96, 264, 1031, 2)],
 }
 
 
@@ -52,6 +63,8 @@ def parse_shape(text: str) -> tuple[str, tuple[int, ...]]:
         raise UserError(f"--shapes {text!r}: the rope head dimension D must be even")
     if kernel == "rope" and values[2] % values[3]:
         raise UserError(f"--shapes {text!r}: Hq must be a multiple of Hk (grouped-query attention)")
+    if kernel == "lion" and values[4] not in (1, 2):
+        raise UserError(f"--shapes {text!r}: E, the embedding matrices, is 1 (tied) or 2 (untied)")
     return kernel, values
 
 

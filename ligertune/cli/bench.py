@@ -35,14 +35,16 @@ def _bench(ctx: typer.Context) -> None:
 @guarded
 def kernels(
     kernels_: Annotated[
-        str, typer.Option("--kernels", "-k", help="Comma-separated: flce, rms_norm, rope, swiglu.")
+        str, typer.Option("--kernels", "-k", help="Comma-separated: flce, rms_norm, rope, swiglu, and "
+                          "lion (the optimizer step; only when named).")
     ] = "flce,rms_norm,rope,swiglu",
     shapes: Annotated[
         Optional[list[str]],
         typer.Option(
             "--shapes",
             help="KERNEL:AxBx... replacing that kernel's default shapes (repeatable): flce:NxHxV, "
-            "rms_norm:TxH, swiglu:TxI, rope:BxLxHqxHkxD.",
+            "rms_norm:TxH, swiglu:TxI, rope:BxLxHqxHkxD, lion:LxHxIxVxE (a Llama-style model's "
+            "parameters: layers, hidden, MLP, vocabulary, 1 tied or 2 untied embeddings).",
             metavar="KERNEL:SHAPE",
             show_default=False,
         ),
@@ -76,22 +78,27 @@ def kernels(
         bool, typer.Option("--flush-l2", help="Evict the L2 cache before every timed call.")
     ] = False,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random inputs.")] = 0,
+    peak_gbps: Annotated[
+        Optional[float], typer.Option("--peak-gbps", min=1.0, help="The device's memory bandwidth in GB/s for "
+                                      "the % peak column (default: known GPUs' data sheet).", show_default=False)
+    ] = None,
 ) -> None:
     """Time each kernel, forward + backward, against torch and the peers on the same inputs.
 
-    Each row also gives its extra peak memory and its error against the float32 reference
-    (docs/bench.md says what every column means).
+    Each row also gives its extra peak memory and its error against the float32 reference, and
+    the rows in GB/s their share of the memory roofline (docs/bench.md says what every column
+    means). `-k lion` times one Lion optimizer step over a 1B and an 8B model's parameters.
 
     Example: [bold]ligertune bench kernels -k flce --shapes flce:8192x4096x128256 --json bench.json[/]
     """
     from ligertune.bench.kernels import KernelBenchConfig, run_kernel_bench
-    from ligertune.bench.report import kernel_tables, plot_kernels, require_matplotlib, write_json
+    from ligertune.bench.report import kernel_tables, plot_kernels, require_matplotlib, roofline_line, write_json
     from ligertune.bench.shapes import parse_shape
     from ligertune.errors import UserError
 
     names = tuple(k.strip().replace("-", "_") for k in kernels_.split(",") if k.strip())
     if not names:
-        raise UserError("--kernels: name at least one of flce, rms_norm, rope, swiglu")
+        raise UserError("--kernels: name at least one of flce, rms_norm, rope, swiglu, lion")
     parsed: dict[str, list[tuple[int, ...]]] = {}
     for text in shapes or []:
         kernel, values = parse_shape(text)
@@ -100,7 +107,7 @@ def kernels(
         require_matplotlib()
     config = KernelBenchConfig(
         kernels=names, shapes=parsed, device=device, dtype=dtype, repeats=repeats, warmup=warmup,
-        compile=compile_, flush_l2=flush_l2, seed=seed,
+        compile=compile_, flush_l2=flush_l2, seed=seed, peak_gbps=peak_gbps,
     )
     console = Console()
     progress = Console(stderr=True, highlight=False)
@@ -109,6 +116,9 @@ def kernels(
         console.print(f"[yellow]{report.note}[/]")
     console.print(f"[dim]{report.device}, {report.dtype}, median of {report.repeats} after {report.warmup} "
                   f"warm-up; errors against the {report.reference_dtype} reference[/]")
+    roofline = roofline_line(report)
+    if roofline:
+        console.print(f"[dim]{roofline}[/]")
     for table in kernel_tables(report):
         console.print(table)
     if json_file is not None:

@@ -31,10 +31,12 @@ same figures for uniformly random orders (see its docstring for the metrics and 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -279,7 +281,7 @@ class _Features:
         if row is None:
             values = [0.0] * (self.n_sources + 2)
             cu = pack.cu_seqlens
-            for j, (start, end) in enumerate(zip(cu, cu[1:])):
+            for j, (start, end) in enumerate(itertools.pairwise(cu)):
                 source = pack.sources[j] if pack.sources else 0
                 values[source] += sum(t != IGNORE_INDEX for t in pack.targets[start:end])
             values[self.n_sources] = len(pack.seq_lens)
@@ -334,4 +336,4 @@ def lag1_autocorrelation(values: Sequence[float]) -> float | None:
     variance = sum(c * c for c in centred)
     if variance <= 1e-12 * max(1.0, mean * mean) * len(values):
         return None
-    return sum(a * b for a, b in zip(centred, centred[1:])) / variance
+    return sum(a * b for a, b in itertools.pairwise(centred)) / variance

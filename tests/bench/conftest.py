@@ -9,6 +9,6 @@ import pytest
 
 @pytest.fixture
 def no_peers(monkeypatch):
-    """Liger-Kernel and Cut Cross-Entropy fail to import, whether or not they are installed."""
-    for name in ("liger_kernel", "cut_cross_entropy"):
+    """Liger-Kernel, Cut Cross-Entropy and lion-pytorch fail to import, whether or not they are installed."""
+    for name in ("liger_kernel", "cut_cross_entropy", "lion_pytorch"):
         monkeypatch.setitem(sys.modules, name, None)

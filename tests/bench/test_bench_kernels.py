@@ -21,9 +21,9 @@ from ligertune.errors import UserError
 TINY = ["--shapes", "flce:37x24x301", "--shapes", "rms_norm:19x40", "--shapes", "rope:2x9x4x2x8",
         "--shapes", "swiglu:19x33"]
 ROW_KEYS = {"kernel", "shape", "dims", "impl", "status", "detail", "median_ms", "min_ms", "max_ms", "repeats",
-            "extra_peak_mib", "tflops", "gbps", "vs_ligertune", "errors"}
+            "extra_peak_mib", "tflops", "gbps", "of_peak_bandwidth", "of_copy_bandwidth", "vs_ligertune", "errors"}
 REPORT_KEYS = {"device", "device_type", "kernel_path", "dtype", "reference_dtype", "repeats", "warmup",
-               "note", "versions", "date", "rows"}
+               "note", "versions", "date", "rows", "peak_gbps", "copy_gbps"}
 
 
 def _invoke(args):
@@ -36,7 +36,7 @@ def _invoke(args):
 def report(tmp_path_factory):
     """One CPU run of every kernel at tiny shapes, peers made absent, read back from its JSON."""
     path = tmp_path_factory.mktemp("bench") / "kernels.json"
-    saved = {name: sys.modules.get(name, False) for name in ("liger_kernel", "cut_cross_entropy")}
+    saved = {name: sys.modules.get(name, False) for name in ("liger_kernel", "cut_cross_entropy", "lion_pytorch")}
     for name in saved:
         sys.modules[name] = None
     try:
@@ -56,7 +56,8 @@ def test_json_holds_every_number_with_its_context(report):
     assert data["device_type"] == "cpu" and data["kernel_path"] == "reference"
     assert data["versions"]["torch"] == torch.__version__
     assert data["versions"]["ligertune"]
-    assert {"liger-kernel", "cut-cross-entropy", "triton", "transformers"} <= set(data["versions"])
+    assert {"liger-kernel", "cut-cross-entropy", "lion-pytorch", "triton", "transformers"} <= set(data["versions"])
+    assert data["peak_gbps"] is None and data["copy_gbps"] is None  # a CPU: no roofline
     assert data["date"][:2] == "20"
     assert all(set(row) == ROW_KEYS for row in data["rows"])
     assert {row["kernel"] for row in data["rows"]} == {"flce", "rms_norm", "rope", "swiglu"}

@@ -50,7 +50,7 @@ def test_spread_keeps_every_group_near_its_share_in_every_window(n_groups):
 
 def test_shuffled_is_a_permutation_fixed_by_seed_and_epoch():
     packs = one_source_packs(30, 0) + one_source_packs(20, 1, length=40, start=30)
-    ids = lambda ps: [p.example_indices[0] for p in ps]  # noqa: E731
+    ids = lambda ps: [p.example_indices[0] for p in ps]
     first = ids(shuffled(packs, seed=3, epoch=0))
     assert sorted(first) == list(range(50))
     assert ids(shuffled(list(packs), seed=3, epoch=0)) == first

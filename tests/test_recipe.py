@@ -72,10 +72,28 @@ def test_value_checks_run_when_types_are_right():
         pytest.param({**MINIMAL, "train": {"micro_batch_size": 0}}, "train.micro_batch_size: must be >= 1",
                      id="micro-batch"),
         pytest.param({**MINIMAL, "train": True}, "train: expected a mapping, got true", id="section-type"),
+        pytest.param({**MINIMAL, "optim": {"name": "lio"}}, "optim.name: must be one of adamw, lion, got 'lio'; "
+                     "did you mean `lion`?", id="optimizer-name"),
+        pytest.param({**MINIMAL, "optim": {"clip": "tensor"}}, "optim.clip: must be one of global, per_tensor",
+                     id="clip-mode"),
+        pytest.param({**MINIMAL, "train": {"spike_threshold": 0}}, "train.spike_threshold: must be > 0 or null",
+                     id="spike-threshold"),
+        pytest.param({**MINIMAL, "train": {"spike_window": 2}}, "train.spike_window: must be >= 3", id="spike-window"),
+        pytest.param({**MINIMAL, "train": {"on_spike": "drop"}}, "train.on_spike: must be one of log, skip",
+                     id="on-spike"),
     ],
 )
 def test_problem_messages(raw, expected):
     assert any(p.startswith(expected) for p in problems_of(raw)), problems_of(raw)
+
+
+def test_betas_default_to_the_optimizer_s_own():
+    """AdamW's (torch's) and Lion's (the paper's), written into the recipe as loaded; given ones stay."""
+    assert recipe_from_dict(MINIMAL).optim.betas == [0.9, 0.999]
+    assert recipe_from_dict({**MINIMAL, "optim": {"name": "lion"}}).optim.betas == [0.9, 0.99]
+    lion = recipe_from_dict({**MINIMAL, "optim": {"name": "lion", "betas": [0.95, 0.98]}})
+    assert lion.optim.betas == [0.95, 0.98]
+    assert recipe_from_dict(lion.to_dict()).optim.betas == [0.95, 0.98]
 
 
 def test_overrides_parse_values_as_yaml():

@@ -148,6 +148,8 @@ def build_model(
     dtype = dtype or resolve_dtype(model_cfg.dtype, device)
     model = models.build_model(model_cfg, device=device, dtype=dtype, seed=recipe.train.seed,
                                vocab_size=vocab_size)
+    if model_cfg.quantization is not None:
+        check_modules_to_save(model, recipe)
     patches = patch_kernels(model, recipe.kernels) if kernels else None
     if recipe.train.gradient_checkpointing:
         enable_gradient_checkpointing(model)
@@ -172,6 +174,22 @@ def check_quantized(recipe: Recipe) -> None:
         raise UserError(f"model.quantization: a quantized base ({kind}) trains on one process; run "
                         "without --nproc/torchrun, or without quantization")
     require_bitsandbytes(kind)
+
+
+def check_modules_to_save(model: nn.Module, recipe: Recipe) -> None:
+    """Refuse `lora.modules_to_save` naming a layer that `model.quantization` quantizes: peft would
+    train a copy of it in full, and a quantized weight has no gradient (LoRA adapts it instead)."""
+    from ligertune.models.quantize import quantized_layer_names
+
+    targets = (recipe.lora.modules_to_save or []) if recipe.lora is not None else []
+    for name in quantized_layer_names(model):
+        for target in targets:
+            if name.endswith(target):  # peft's own matching of modules_to_save
+                raise UserError(
+                    f"lora.modules_to_save: {target!r} names {name}, a layer quantized by model.quantization "
+                    f"({recipe.model.quantization}), which cannot train in full; adapt it through "
+                    "lora.target_modules instead"
+                )
 
 
 def patch_kernels(model: nn.Module, cfg: KernelsConfig) -> PatchReport:
@@ -259,11 +277,13 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
                  master_weights=cfg.master_weights)
 
 
-def trainable_dtypes(recipe: Recipe, device: torch.device) -> set[torch.dtype]:
-    """The dtypes that the trainable parameters of the recipe's model will have, known before it is
-    built: the model's for full fine-tuning; with LoRA, float32 adapters (peft keeps them in float32
-    over a 16-bit base) and the model's dtype for `lora.modules_to_save`."""
-    dtype = resolve_dtype(recipe.model.dtype, device)
+def trainable_dtypes(recipe: Recipe) -> set[torch.dtype]:
+    """The dtypes that the trainable parameters of the recipe's model will have on one process, known
+    before it is built: the model's for full fine-tuning (`auto`: bfloat16 where `train.device` is
+    CUDA); with LoRA, float32 adapters (peft keeps them in float32 over a 16-bit base) and the
+    model's dtype for `lora.modules_to_save`."""
+    cuda = recipe.train.device == "cuda" or (recipe.train.device == "auto" and torch.cuda.is_available())
+    dtype = resolve_dtype(recipe.model.dtype, "cuda" if cuda else "cpu")
     if recipe.lora is None:
         return {dtype}
     return {torch.float32, dtype} if recipe.lora.modules_to_save else {torch.float32}
@@ -287,8 +307,9 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, *, total
 
 def check_model_skeleton(recipe: Recipe, *, vocab_size: int | None) -> None:
     """What `build_model` would refuse, found without loading a weight: a local model folder with no
-    weight files, a quantized base it cannot train (`check_quantized`), and LoRA target modules the
-    model lacks (the model's shapes are built on the meta device, no memory, and wrapped)."""
+    weight files, a quantized base it cannot train (`check_quantized`, `check_modules_to_save`), and
+    LoRA target modules the model lacks (the model's shapes are built on the meta device, no memory,
+    and wrapped)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_cfg = recipe.model
@@ -308,4 +329,6 @@ def check_model_skeleton(recipe: Recipe, *, vocab_size: int | None) -> None:
         config = AutoConfig.from_pretrained(source, trust_remote_code=remote)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=remote)
+    if model_cfg.quantization is not None:
+        check_modules_to_save(skeleton, recipe)
     wrap_lora(skeleton, recipe.lora)

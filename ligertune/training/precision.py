@@ -230,7 +230,7 @@ def optimizer_warnings(cfg: Any, trainable_dtypes: set[torch.dtype], *, lora: bo
     for dtype in sorted(trainable_dtypes & set(LOW_PRECISION), key=str):
         name = str(dtype).removeprefix("torch.")
         found.append(("optim.master_weights", f"false with {name} trainable parameters: a step of about lr = "
-                      f"{cfg.lr:g} rounds away on every weight above {update_rounds_away(dtype, cfg.lr):.0e} in "
+                      f"{cfg.lr:g} rounds away on every weight above {update_rounds_away(dtype, cfg.lr):.2g} in "
                       f"magnitude (half of {name}'s spacing there is more than lr)"))
         if cfg.name == "adamw":
             found.extend(adamw_state_traps(dtype, eps=cfg.eps, beta2=cfg.betas[1]))

@@ -46,6 +46,22 @@ def test_validate_a_good_recipe(tiny_recipe: Path):
     assert "48 train and 8 eval conversations" in result.output
 
 
+def test_validate_warns_of_the_epsilon_trap_and_a_lion_lr_naming_the_keys(tiny_recipe: Path):
+    """Warnings leave the exit code 0; each names its key. With master weights (the default) a bf16
+    recipe gets none."""
+    bf16 = ("--set", "model.dtype=bfloat16")
+    result = invoke("validate", tiny_recipe, *bf16, "--set", "optim.master_weights=false")
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "warning optim.eps: 1e-08 with bfloat16 AdamW moments" in text
+    assert "warning optim.master_weights: false with bfloat16" in text
+    result = invoke("validate", tiny_recipe, *bf16, "--set", "optim.name=lion", "--set", "optim.lr=2e-5")
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "warning optim.lr: 2e-05 looks AdamW-sized for Lion" in text and "optim.eps" not in text
+    assert "warning" not in invoke("validate", tiny_recipe, *bf16).output
+
+
 def test_validate_reports_every_schema_problem_with_its_key(tiny_recipe: Path):
     result = invoke("validate", tiny_recipe, "--set", "optim.lr=-1", "--set", "model.dtyp=bf16",
                     "--set", "loss.normalization=tokens")

@@ -211,3 +211,41 @@ def test_optimizer_steps_follow_the_formula(kernel_path, dtype):
             scale = p0.double().abs() + g.double().abs() + m0.double().abs() + hyper["lr"]
             assert_within_one_ulp(p.detach(), p64, scale, f"step {step} param {i}")
             assert_within_one_ulp(m, m64, scale, f"step {step} momentum {i}")
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")])
+def test_master_weights_follow_the_formula_and_let_small_steps_add_up(kernel_path, dtype):
+    """`Lion(master_weights=True)` on this path, 16-bit parameters: the float32 master and momentum
+    follow the float64 formula from the master before each step, and the parameter is its master
+    rounded. The learning rate is a step below half the dtype's spacing for weights above 0.1,
+    which the parameter alone, rounded to nearest, would not take; over 30 steps those move too."""
+    hyper = dict(lr=0.1 * torch.finfo(dtype).eps / 4, beta1=0.9, beta2=0.99, weight_decay=0.1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(13, 37), torch.nn.GELU(), torch.nn.Linear(37, 5))
+    model.to(DEVICE, dtype)
+    start = [p.detach().clone() for p in model.parameters()]
+    opt = Lion(model.parameters(), lr=hyper["lr"], betas=(0.9, 0.99), weight_decay=0.1, master_weights=True)
+    x = torch.randn(8, 13).to(DEVICE, dtype)
+    for step in range(30):
+        model.zero_grad()
+        model(x).square().mean().backward()
+        before = {}
+        for p in model.parameters():
+            state = opt.state.get(p, {})
+            master = state["master"].clone() if "master" in state else p.detach().float()
+            m0 = state["exp_avg"].clone() if "exp_avg" in state else torch.zeros(p.shape, device=DEVICE)
+            before[p] = (master, p.grad.clone(), m0)
+        opt.step()
+        for i, (p, (master0, g, m0)) in enumerate(before.items()):
+            master, m = opt.state[p]["master"], opt.state[p]["exp_avg"]
+            assert master.dtype == m.dtype == torch.float32
+            p64, m64 = formula64(master0, g, m0, **hyper, got=master)
+            scale = master0.double().abs() + g.double().abs() + m0.double().abs() + hyper["lr"]
+            assert_within_one_ulp(master, p64, scale, f"step {step} master {i}")
+            assert_within_one_ulp(m, m64, scale, f"step {step} momentum {i}")
+            assert torch.equal(p.detach(), master.to(dtype))
+    # Where |p| > lr / (eps / 4), a step of lr is below half a spacing of the dtype.
+    large = [p0.abs() > 1.01 * hyper["lr"] / (torch.finfo(dtype).eps / 4) for p0 in start]
+    moved = sum(int((p.detach() != p0)[big].sum()) for p, p0, big in zip(model.parameters(), start, large))
+    assert sum(int(big.sum()) for big in large) > 0
+    assert moved > 0.9 * sum(int(big.sum()) for big in large)

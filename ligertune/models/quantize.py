@@ -94,9 +94,7 @@ def quantize_linears(model: nn.Module, kind: str, dtype: torch.dtype) -> int:
     bnb = require_bitsandbytes(kind)
     if kind not in QUANTIZATIONS:
         raise UserError(f"model.quantization: must be one of {', '.join(QUANTIZATIONS)}, got {kind!r}")
-    head = model.get_output_embeddings()
-    names = [name for name, module in model.named_modules()
-             if type(module) is nn.Linear and module is not head]
+    names = [name for name in quantized_layer_names(model) if type(model.get_submodule(name)) is nn.Linear]
     for name in names:
         linear = model.get_submodule(name)
         model.set_submodule(name, _quantized(bnb, linear, kind, dtype))
@@ -137,6 +135,14 @@ def _quantized(bnb: Any, linear: nn.Linear, kind: str, dtype: torch.dtype) -> nn
     if has_bias:
         layer.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
     return layer
+
+
+def quantized_layer_names(model: nn.Module) -> list[str]:
+    """The names of the layers `quantize_linears` quantizes, or has quantized: every linear layer but
+    the output projection (bitsandbytes' layers are `nn.Linear`s too)."""
+    head = model.get_output_embeddings()
+    return [name for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and module is not head]
 
 
 def quantization_of(model: nn.Module) -> str | None:

@@ -198,7 +198,7 @@ def test_chat_keeps_the_adapters_of_a_quantized_base_unmerged(tmp_path: Path):
 runner = CliRunner()
 
 
-def test_validate_refuses_a_quantized_base_without_adapters_or_bitsandbytes(tmp_path: Path, monkeypatch):
+def test_validate_refuses_what_a_quantized_base_cannot_train(tmp_path: Path, monkeypatch):
     path = qlora_recipe(tmp_path, "nf4")
     ok = runner.invoke(app, ["validate", str(path)])
     assert ok.exit_code == 0, ok.output
@@ -207,6 +207,13 @@ def test_validate_refuses_a_quantized_base_without_adapters_or_bitsandbytes(tmp_
     no_lora = runner.invoke(app, ["validate", str(path), "--set", "lora=null"])
     assert no_lora.exit_code == 2 and "Traceback" not in no_lora.output
     assert "model.quantization: a quantized base (nf4) is frozen" in no_lora.stderr
+
+    # A quantized layer cannot be trained in full; the unquantized output layer can.
+    in_full = runner.invoke(app, ["validate", str(path), "--set", "lora.modules_to_save=[down_proj]"])
+    assert in_full.exit_code == 2 and "Traceback" not in in_full.output
+    assert "lora.modules_to_save: 'down_proj' names model.layers.0.mlp.down_proj" in in_full.stderr
+    head = runner.invoke(app, ["validate", str(path), "--set", "lora.modules_to_save=[lm_head]"])
+    assert head.exit_code == 0, head.output
 
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` raises ImportError
     missing = runner.invoke(app, ["validate", str(path)])

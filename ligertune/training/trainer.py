@@ -62,6 +62,7 @@ from ligertune.distributed import (
 from ligertune.errors import EnvironmentFault, UserError
 from ligertune.kernels import active_path
 from ligertune.models import CausalLMLoss, decoder_of, load_tokenizer
+from ligertune.models.quantize import parameter_count
 from ligertune.plotting import plot_metrics
 from ligertune.recipe import Recipe, dump_recipe
 from ligertune.training.build import (
@@ -376,7 +377,7 @@ def restore(run: Run, checkpoint: Path, saved: dict) -> None:
 def describe_run(run: Run, dtype: torch.dtype, patches: str) -> None:
     """The lines printed before the first step: model, kernels, data."""
     recipe, data = run.recipe, run.data
-    n_params = sum(p.numel() for p in run.model.parameters())
+    n_params = parameter_count(run.model)  # a quantized weight as the matrix it stands for
     n_trainable = sum(p.numel() for p in run.trainable)
     real = sum(len(p.input_ids) for p in data.train_packs)
     slots = len(data.train_packs) * recipe.data.max_seq_len

@@ -47,12 +47,12 @@ def _register() -> None:
 
 
 _register()
+# peft imports bitsandbytes whenever it is installed, and on a CPU with avx512-bf16 bitsandbytes warns
+# at import about an optional kernel that ligertune never runs (see
+# `ligertune.models.quantize.keep_cpu_layout`): silenced here, before any command imports peft.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 def main() -> None:
     """Console-script entry point."""
-    # peft imports bitsandbytes whenever it is installed, and on a CPU with avx512-bf16 bitsandbytes
-    # warns at import about an optional kernel that ligertune never runs (see
-    # `ligertune.models.quantize.keep_cpu_layout`): silenced before any command imports peft.
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     sys.exit(app())

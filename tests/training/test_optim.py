@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -277,6 +278,33 @@ def test_build_optimizer_takes_lion_with_its_betas_and_groups():
     assert isinstance(opt, Lion) and opt.master_weights
     assert [(g["betas"], g["weight_decay"], len(g["params"])) for g in opt.param_groups] == [
         ((0.9, 0.99), 0.3, 2), ((0.9, 0.99), 0.0, 2)]  # matrices decay, biases do not
+
+
+def test_lion_trains_lora_adapters_only(tmp_path: Path):
+    """A LoRA run with Lion: the adapters get a float32 momentum and move; the frozen base has no
+    state and stays as it was."""
+    from rich.console import Console
+
+    from ligertune.recipe import load_recipe
+    from ligertune.training.trainer import cleanup, setup, train_loop
+    from tiny_recipe import write_recipe
+
+    path = write_recipe(tmp_path, lora={"r": 4, "alpha": 8}, optim={"name": "lion", "lr": 3e-4},
+                        train={"max_steps": 2, "eval_every": None})
+    run = setup(load_recipe(path), Console(quiet=True))
+    before = {name: p.detach().clone() for name, p in run.model.named_parameters()}
+    try:
+        train_loop(run)
+    finally:
+        cleanup(run)
+    assert isinstance(run.optimizer, Lion)
+    for name, p in run.model.named_parameters():
+        state = run.optimizer.state.get(p, {})
+        if "lora_" in name:
+            assert p.requires_grad and state["exp_avg"].dtype == torch.float32, name
+            assert not torch.equal(p, before[name]), name
+        else:
+            assert not p.requires_grad and not state and torch.equal(p, before[name]), name
 
 
 # --------------------------------------------------------------------------------------------------

@@ -18,7 +18,9 @@ import torch
 from rich.console import Console
 
 from ligertune.recipe import load_recipe
+from ligertune.errors import UserError
 from ligertune.training.checkpoint import read_metrics
+from ligertune.training.display import format_metrics
 from ligertune.training.spikes import MAD_TO_STD, find_spike, remember
 from ligertune.training.trainer import RunInterrupted, cleanup, setup, train_loop
 from tiny_recipe import write_recipe
@@ -158,6 +160,7 @@ def test_a_spike_is_recorded_with_the_conversations_of_its_step(tmp_path: Path, 
     assert record["loss"] == pytest.approx(metrics[6]["loss"], rel=1e-12)
     assert record["score"] > 6 and record["loss"] > 10 * record["median"]
     assert metrics[6]["spike"] is True and metrics[6]["spikes"] == 1 and metrics[8]["spikes"] == 1
+    assert "spikes 1" in format_metrics(metrics[8])  # the live line
     assert result.spikes == 1
     if on_spike == "skip":
         assert metrics[6]["skipped"] == "spike" and result.skipped_steps == 1
@@ -197,6 +200,16 @@ def test_a_resumed_run_flags_the_same_spikes(tmp_path: Path):
     assert [s["step"] for s in lines("straight", "spikes.jsonl")] == [7]
     assert lines("resumed", "spikes.jsonl") == lines("straight", "spikes.jsonl")
     assert lines("resumed", "metrics.jsonl") == lines("straight", "metrics.jsonl")
+
+
+def test_the_watch_settings_may_change_on_resume_and_the_optimizer_s_may_not(tmp_path: Path):
+    path = write_recipe(tmp_path, train={"max_steps": 2, "save_every": 1, "eval_every": None})
+    finish(start(path))
+    run = start(path, "train.spike_threshold=3", "train.spike_window=8", "train.on_spike=skip", resume="latest")
+    cleanup(run)
+    for key, value in (("optim.name", "lion"), ("optim.clip", "per_tensor"), ("optim.master_weights", "false")):
+        with pytest.raises(UserError, match=f"training math: .*{key} "):
+            start(path, f"{key}={value}", resume="latest")
 
 
 def test_the_watch_can_be_turned_off(tmp_path: Path):

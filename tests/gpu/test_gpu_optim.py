@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from rich.console import Console
+from tiny_recipe import write_recipe
 
 from ligertune.numerics import relative_error
 from ligertune.recipe import OptimConfig, load_recipe
@@ -19,7 +20,6 @@ from ligertune.training.build import build_optimizer
 from ligertune.training.checkpoint import read_metrics
 from ligertune.training.lion import Lion
 from ligertune.training.trainer import cleanup, setup, train_loop
-from tiny_recipe import write_recipe
 
 pytestmark = pytest.mark.gpu
 

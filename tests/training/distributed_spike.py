@@ -8,11 +8,11 @@ from __future__ import annotations
 import sys
 
 from rich.console import Console
+from test_spikes import spike_at
 
 from ligertune.distributed import destroy_process_group
 from ligertune.recipe import load_recipe
 from ligertune.training.trainer import cleanup, setup, train_loop
-from test_spikes import spike_at
 
 if __name__ == "__main__":
     recipe_path, step, *overrides = sys.argv[1:]

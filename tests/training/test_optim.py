@@ -75,7 +75,7 @@ def test_float32_parameters_step_as_torch_adamw_and_the_formula():
     for p, q in zip(ours.parameters(), theirs.parameters()):
         assert torch.equal(p, q)
         assert "master" not in opt.state[p] and opt.state[p]["exp_avg"].dtype == torch.float32
-        p64, m64, v64 = exact[p]
+        p64, _, v64 = exact[p]
         assert relative_error(p, p64) < 1e-6
         assert relative_error(opt.state[p]["exp_avg_sq"], v64) < 1e-6
 
@@ -107,7 +107,7 @@ def test_master_weights_follow_the_formula_and_round_into_the_parameter(dtype):
 def test_master_weights_in_small_chunks_give_the_same_step(monkeypatch):
     """The 16-bit gradients are cast to float32 a chunk at a time: one element per chunk gives the
     bits of one chunk for everything."""
-    import ligertune.training.precision as precision
+    from ligertune.training import precision
 
     whole, chunked = toy_model(torch.bfloat16), toy_model(torch.bfloat16)
     opt_whole = AdamW(two_groups(whole), master_weights=True)
@@ -284,10 +284,10 @@ def test_lion_trains_lora_adapters_only(tmp_path: Path):
     """A LoRA run with Lion: the adapters get a float32 momentum and move; the frozen base has no
     state and stays as it was."""
     from rich.console import Console
+    from tiny_recipe import write_recipe
 
     from ligertune.recipe import load_recipe
     from ligertune.training.trainer import cleanup, setup, train_loop
-    from tiny_recipe import write_recipe
 
     path = write_recipe(tmp_path, lora={"r": 4, "alpha": 8}, optim={"name": "lion", "lr": 3e-4},
                         train={"max_steps": 2, "eval_every": None})
@@ -346,6 +346,6 @@ def test_the_trap_floor_is_where_fp16_second_moments_underflow():
     from ligertune.training.precision import smallest_second_moment_gradient
 
     floor = smallest_second_moment_gradient(torch.float16, 0.999)
-    as_fp16 = lambda g: torch.tensor(0.001 * g * g, dtype=torch.float16).item()  # noqa: E731
+    as_fp16 = lambda g: torch.tensor(0.001 * g * g, dtype=torch.float16).item()
     assert as_fp16(floor * 0.99) == 0.0 and as_fp16(floor * 1.01) > 0.0
     assert math.isclose(floor, 5.46e-3, rel_tol=1e-2)

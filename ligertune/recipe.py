@@ -187,9 +187,13 @@ class KernelsConfig:
     lora: bool = _field(
         True,
         "With `lora`: the LoRA layers compute peft's values without its per-layer overhead: one GEMM "
-        "for the A projections of layers that read one input (q, k, v; gate, up), and the input kept "
-        "for backward in the model dtype instead of a float32 copy per layer (docs/kernels.md). Layers "
-        "with `lora.dropout` > 0 keep peft's own forward.",
+        "for the A projections of layers that read one input (q, k, v; gate, up), the input kept for "
+        "backward in the model dtype instead of a float32 copy per layer, and the adapters kept in "
+        "the model dtype (bf16 over a bf16 model; peft upcasts them to float32) so that "
+        "y = base(x) + s (x A^T) B^T is one GEMM adding into the base output, rounded once "
+        "(docs/kernels.md). Their updates stay exact through `optim.master_weights`. With "
+        "`lora.dropout` > 0 or `model.quantization` peft's own forward runs and the adapters stay "
+        "float32; `false`: peft's forward and float32 adapters throughout.",
     )
 
     def check(self) -> list[tuple[str, str]]:
@@ -270,7 +274,8 @@ class OptimConfig:
         "rounded into the parameter after each step: 4 more bytes per such parameter, and AdamW's "
         "states in 8 bytes instead of 4. `false`: torch's behaviour, where a bf16 weight does not move "
         "for steps below its spacing and AdamW's bf16 states lose `eps` and the second moment's decay "
-        "(docs/optim.md). Float32 parameters (LoRA adapters, FSDP on CUDA) are unaffected.",
+        "(docs/optim.md). Float32 parameters (FSDP on CUDA, LoRA adapters without `kernels.lora`) are "
+        "unaffected; LoRA adapters under `kernels.lora` have the model's dtype and get a master copy.",
     )
     schedule: Literal["cosine", "linear", "constant"] = _field("cosine", "Decay after warmup.")
     warmup_steps: int = _field(

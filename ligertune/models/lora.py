@@ -12,22 +12,41 @@ copy of its input: twice the bytes of the bf16 input, and five of them for the q
 projections, which read only two distinct tensors.
 
 `patch_lora(model)` gives each of peft's LoRA Linear layers an instance-level forward that computes
-the same y:
+the same y (to rounding, and rounding less where it differs):
 
 - Layers that read one input (`SHARED_INPUTS`: q, k, v of an attention block; gate, up of an MLP)
   share one product. The first of them to run computes U = x_a cat(A_q, A_k, A_v)^T, one GEMM with
-  r_q + r_k + r_v columns, and takes its own columns; the others find theirs waiting for that very
-  tensor x (checked by identity and version counter, so any other input is computed afresh).
+  r_q + r_k + r_v columns in the adapters' dtype, and takes its own columns; the others find theirs
+  waiting for that very tensor x (checked by identity and version counter, so any other input is
+  computed afresh).
 - The autograd function of that product (`shared_lora_a`) saves x itself, not x_a: one bf16 tensor
-  for the whole group, which the model usually keeps anyway. Backward casts it again and computes
-  grad cat(A) = dU^T x_a and dx = dU cat(A), one GEMM each for the group.
-- B, the scaling and the sum are peft's operations in peft's order, the scaling and the sum done in
-  place on the B product (autograd keeps the product's inputs, not the product), so y rounds as
-  peft's does. With dropout 0 peft's `Identity` is not called.
+  for the whole group, which the model usually keeps anyway. Backward casts it again (a no-op for
+  adapters in x's dtype) and computes grad cat(A) = dU^T x_a and dx = dU cat(A), one GEMM each for
+  the group.
+- Where the adapters have the output's dtype (bf16 adapters over a bf16 model, which is what
+  `ligertune train` builds with `kernels.lora`: `training.build.adapters_in_model_dtype`; float32
+  over float32), B, the scaling and the sum are one GEMM,
 
-What is left to autograd: per layer, the columns of U (tokens x r, for grad B) and the adapter
-weights; per group, x. The parameters and modules are peft's own, untouched, so `save_pretrained`,
-`PeftModel.from_pretrained`, `merge_and_unload` and `ligertune merge` see no difference.
+      y = base(x).addmm_(U_i, B^T, alpha=s)     y = base(x) + s U_i B^T, in place on base(x)
+
+  whose epilogue reads base(x) and writes y over it: one read and one write of the output, 4 bytes
+  per element in bf16, where peft over float32 adapters writes a float32 product, scales it in
+  place, adds base(x) into it and casts the sum back (~28 bytes per element). The sum is formed in
+  the GEMM's float32 accumulator and rounded once; peft's path over bf16 adapters rounds B's
+  product, its scaling and the sum. Autograd keeps U_i and B only and hands dy on to the base layer
+  untouched (beta = 1); dU_i and dB are the GEMMs peft runs, with s applied to their small results.
+  In place, because an out-of-place `torch.addmm` copies base(x) into a new output before a beta = 1
+  GEMM (CUDA's addmm_out does, but for a 1-D bias); on base(x) itself, computed from x viewed as 2-D,
+  because an in-place op on a view makes autograd copy the whole gradient (CopySlices). A LoRA bias
+  b on B (peft's `lora_bias`) is added after, s b in a second pass.
+- Adapters of another dtype (float32 over a bf16 model: peft's default, or a model patched by hand)
+  take peft's operations in peft's order, the scaling and the sum done in place on the B product
+  (autograd keeps the product's inputs, not the product), so y rounds as peft's does.
+
+With dropout 0 peft's `Identity` is not called. What is left to autograd: per layer, the columns of
+U (tokens x r, for grad B) and the adapter weights; per group, x. The parameters and modules are
+peft's own, untouched, so `save_pretrained`, `PeftModel.from_pretrained`, `merge_and_unload` and
+`ligertune merge` see no difference (adapters saved in bf16 load as peft's float32 ones, exactly).
 
 A layer keeps peft's forward where the shortcut would not compute peft's values: dropout > 0 (each
 layer draws its own mask, so there is nothing to share), a LoRA variant (DoRA), several active
@@ -158,15 +177,30 @@ def _fast_lora_forward(
 ) -> torch.Tensor:
     if args or kwargs or not _fast_now(module, x, adapter):
         return type(module).forward(module, x, *args, **kwargs)
-    result = module.base_layer(x)
-    delta = module.lora_B[adapter](group.product(index, x))
-    delta = delta.mul_(module.scaling[adapter])
-    # peft's `result + delta`; in place where it has delta's dtype (float32 adapters over bf16).
-    if delta.dtype == torch.promote_types(delta.dtype, result.dtype):
-        out = delta.add_(result)
+    # 2-D from the start, so that the in-place sum below acts on the base output itself, not on a
+    # view of it (autograd would then copy the whole gradient through CopySlices); a view for the
+    # contiguous activations of a decoder layer, as F.linear makes one itself.
+    result = module.base_layer(x.reshape(-1, x.shape[-1]))
+    u = group.product(index, x)
+    u = u.reshape(-1, u.shape[-1])  # a view: the columns of U, rows r_total apart
+    lora_b = module.lora_B[adapter]
+    scale = module.scaling[adapter]
+    if lora_b.weight.dtype == result.dtype == u.dtype:
+        # y = base(x) + s U_i B^T in one GEMM whose epilogue reads base(x) and writes y over it; autograd
+        # keeps U_i and B, and passes dy through to base(x) unchanged.
+        out = result.addmm_(u, lora_b.weight.t(), alpha=scale)
+        if lora_b.bias is not None:  # lora_bias: s (U_i B^T + b)
+            out = out.add_(lora_b.bias, alpha=scale)
     else:
-        out = result + delta
-    return out.to(result.dtype)
+        # Adapters of another dtype (float32 over a 16-bit model): peft's operations in peft's order,
+        # the scaling and the sum in place where the product has the sum's dtype.
+        delta = lora_b(u).mul_(scale)
+        if delta.dtype == torch.promote_types(delta.dtype, result.dtype):
+            out = delta.add_(result)
+        else:
+            out = result + delta
+        out = out.to(result.dtype)
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def _fast_now(module: nn.Module, x: torch.Tensor, adapter: str) -> bool:

@@ -209,10 +209,13 @@ def wrap_lora(model: nn.Module, cfg: LoraConfig, *, fast: bool = False) -> nn.Mo
     """The model with peft LoRA adapters on `lora.target_modules`; the base weights frozen.
 
     `fast` (`kernels.lora`) gives the LoRA Linear layers `ligertune.models.lora`'s forward: peft's
-    values, modules and parameters, with one A product per shared input and no float32 copy of the
-    activations kept.
+    modules and parameters, with one A product per shared input, no float32 copy of the activations
+    kept, and the adapters in the model's dtype where that forward computes them
+    (`adapters_in_model_dtype`).
     """
     import peft
+
+    from ligertune.models.quantize import quantization_of
 
     lora = peft.LoraConfig(
         r=cfg.r,
@@ -224,13 +227,32 @@ def wrap_lora(model: nn.Module, cfg: LoraConfig, *, fast: bool = False) -> nn.Mo
         use_rslora=cfg.use_rslora,
         task_type="CAUSAL_LM",
     )
+    keep = adapters_in_model_dtype(cfg, fast=fast, quantized=quantization_of(model) is not None)
     try:
-        wrapped = peft.get_peft_model(model, lora)
+        # autocast_adapter_dtype=False: peft leaves each adapter in its base layer's dtype instead of
+        # upcasting bfloat16/float16 ones to float32.
+        wrapped = peft.get_peft_model(model, lora, autocast_adapter_dtype=not keep)
     except ValueError as err:
         raise UserError(f"lora: {err}") from None
     if fast:
         patch_lora(wrapped)
     return wrapped
+
+
+def adapters_in_model_dtype(cfg: LoraConfig, *, fast: bool, quantized: bool) -> bool:
+    """Whether the LoRA adapters stay in the model's dtype (bfloat16 over a bf16 model) rather than
+    peft's float32: where the fast forward (`kernels.lora`) computes them, that is with `fast`, no
+    dropout and an unquantized base.
+
+    There y = base(x) + s (x A^T) B^T is one GEMM in the model's dtype whose epilogue adds base(x),
+    about one read and one write of the output per layer where float32 adapters cost ~28 bytes per
+    output element (docs/kernels.md), and it rounds once where peft's path over bf16 adapters rounds
+    the product, the scaling and the sum. The optimizer steps 16-bit adapters through float32
+    master weights (`optim.master_weights`, `ligertune.training.precision`), so the update is as
+    exact as for float32 adapters. Elsewhere peft's own forward runs (bitsandbytes' layers of a
+    quantized base, dropout), which with 16-bit adapters would round three times: it keeps float32.
+    """
+    return fast and cfg.dropout == 0 and not quantized
 
 
 def build_head(model: nn.Module, kernels: KernelsConfig, loss: LossConfig) -> CausalLMLoss:
@@ -280,19 +302,27 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
 def trainable_dtypes(recipe: Recipe) -> set[torch.dtype]:
     """The dtypes that the trainable parameters of the recipe's model will have on one process, known
     before it is built: the model's for full fine-tuning (`auto`: bfloat16 where `train.device` is
-    CUDA); with LoRA, float32 adapters (peft keeps them in float32 over a 16-bit base) and the
-    model's dtype for `lora.modules_to_save`."""
+    CUDA); with LoRA, the adapters' (`adapters_in_model_dtype`: the model's with `kernels.lora`,
+    else peft's float32) and the model's dtype for `lora.modules_to_save`."""
     cuda = recipe.train.device == "cuda" or (recipe.train.device == "auto" and torch.cuda.is_available())
     dtype = resolve_dtype(recipe.model.dtype, "cuda" if cuda else "cpu")
     if recipe.lora is None:
         return {dtype}
-    return {torch.float32, dtype} if recipe.lora.modules_to_save else {torch.float32}
+    same = adapters_in_model_dtype(recipe.lora, fast=recipe.kernels.lora,
+                                   quantized=recipe.model.quantization is not None)
+    return {dtype if same else torch.float32} | ({dtype} if recipe.lora.modules_to_save else set())
 
 
 def optimizer_warnings(recipe: Recipe, dtypes: set[torch.dtype]) -> list[str]:
     """`key: message` for an optimizer setting that runs but probably not as meant, for trainable
-    parameters of `dtypes` (`ligertune.training.precision.optimizer_warnings`)."""
+    parameters of `dtypes` (`ligertune.training.precision.optimizer_warnings`); where those are LoRA
+    adapters kept in the model's dtype, the warning of 16-bit steps says so."""
     found = precision.optimizer_warnings(recipe.optim, dtypes, lora=recipe.lora is not None)
+    if recipe.lora is not None and adapters_in_model_dtype(recipe.lora, fast=recipe.kernels.lora,
+                                                           quantized=recipe.model.quantization is not None):
+        note = ("; these include the LoRA adapters, which kernels.lora keeps in the model's dtype "
+                "(kernels.lora: false gives peft's float32 ones)")
+        found = [(key, message + (note if key == "optim.master_weights" else "")) for key, message in found]
     return [f"{key}: {message}" for key, message in found]
 
 

@@ -17,7 +17,8 @@ stepped through a float32 copy kept in the optimizer state (`master`), with floa
 receives the copy rounded to its dtype after every step; the arithmetic is torch's (AdamW) or the
 paper's (Lion), on float32 tensors. Cost per such parameter element: 4 bytes for the master, and
 AdamW's moments in 8 bytes instead of 4: 16 bytes of parameter, gradient, master and moments where
-torch keeps 8. Float32 parameters (LoRA adapters, FSDP's sharded float32 weights) are untouched.
+torch keeps 8. Float32 parameters (FSDP's sharded float32 weights, peft's float32 LoRA adapters) are
+untouched; LoRA adapters kept in a 16-bit model's dtype by `kernels.lora` get a master like any other.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where a training step's time and memory go, ligertune next to HF + Liger; and the loss's chunk budget.
 
-    python3 scripts/probe_step.py step     # recipes/bench/llama-3.2-1b.yaml, one step of each variant
+    python3 scripts/probe_step.py step [RECIPE]  # (recipes/bench/llama-3.2-1b.yaml) one step of each variant
     python3 scripts/probe_step.py chunks   # fused loss, forward + backward, at several chunk budgets
 
 `step` runs `bench step`'s variants (ligertune, HF, HF + Liger when importable) and, after two
@@ -92,7 +92,7 @@ def peak_allocations(step) -> tuple[float, list[tuple[str, float, int]]]:
     return peak / 2**30, ranked
 
 
-def probe_step() -> None:
+def probe_step(recipe: Path = RECIPE) -> None:
     from ligertune.bench import step as bench_step
     from ligertune.recipe import load_recipe
 
@@ -145,7 +145,7 @@ def probe_step() -> None:
     bench_step._StepBench._finish_step = finish
     try:
         config = bench_step.StepBenchConfig(steps=3, warmup=1, chat=False, measure_matmul=False)
-        report = bench_step.run_step_bench(load_recipe(RECIPE), config)
+        report = bench_step.run_step_bench(load_recipe(recipe), config)
     finally:
         bench_step._StepBench._time, bench_step._StepBench._finish_step = original[:2]
     print()
@@ -187,4 +187,7 @@ if __name__ == "__main__":
         sys.exit("this probe needs CUDA")
     what = sys.argv[1] if len(sys.argv) > 1 else "step"
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}")
-    {"step": probe_step, "chunks": probe_chunks}[what]()
+    if what == "step":
+        probe_step(Path(sys.argv[2]) if len(sys.argv) > 2 else RECIPE)
+    else:
+        probe_chunks()

@@ -102,24 +102,27 @@ def logits_loss_grads(model, ids, targets, *, embeds: bool = False):
 
 
 def assert_same(fast, reference, case: str, label: str = "", *, oracle=None) -> None:
-    """Logits, loss and every gradient within the case's tolerance; with `oracle` (the reference's
-    model in float32) each also within NOISE times the reference's own distance from it."""
+    """Logits, loss and every gradient within the case's tolerance of the reference's; with `oracle`
+    (the reference's model in float32), each instead no further from the oracle than NOISE times the
+    reference's own distance from it (or the tolerance): where both paths round in bf16, a gradient
+    that is ill-conditioned can land a few percent from float32 on each, in different directions."""
     tol = TOL[case]
-
-    def bound(key: str, reference_value, oracle_value) -> float:
-        if oracle is None:
-            return tol[key]
-        return max(tol[key], NOISE * relative_error(reference_value, oracle_value))
-
     (logits1, loss1, grads1), (logits0, loss0, grads0) = fast, reference
-    logits_o, loss_o, grads_o = oracle if oracle is not None else (None, None, {})
-    assert relative_error(logits1, logits0) <= bound("logits", logits0, logits_o), label
-    assert relative_error(loss1, loss0) <= bound("logits", loss0, loss_o), label
     assert grads1.keys() == grads0.keys() and grads0, label
-    for name in grads0:
-        assert grads1[name] is not None, name
-        limit = bound("grads", grads0[name], grads_o.get(name))
-        assert relative_error(grads1[name], grads0[name]) <= limit, f"{label} {name}"
+    pairs = [("logits", "logits", logits1, logits0), ("loss", "logits", loss1, loss0)]
+    pairs += [(name, "grads", grads1[name], grads0[name]) for name in grads0]
+    oracle_values = {}
+    if oracle is not None:
+        logits_o, loss_o, grads_o = oracle
+        oracle_values = {"logits": logits_o, "loss": loss_o, **grads_o}
+    for name, key, value, expected in pairs:
+        assert value is not None, name
+        if oracle is None:
+            assert relative_error(value, expected) <= tol[key], f"{label} {name}"
+        else:
+            truth = oracle_values[name]
+            limit = max(tol[key], NOISE * relative_error(expected, truth))
+            assert relative_error(value, truth) <= limit, f"{label} {name}"
 
 
 def float32_oracle(case: str, model, ids, targets):
@@ -600,7 +603,7 @@ def test_bf16_lora_run_trains_and_its_adapters_load_and_merge(tmp_path: Path):
 
     path = write_recipe(tmp_path, lora={"r": 4, "alpha": 8, "target_modules": "all-linear"},
                         model={"dtype": "bfloat16"}, optim={"lr": 1e-2},
-                        train={"max_steps": 6, "eval_every": 6})
+                        train={"max_steps": 6, "eval_every": 6, "device": "cpu"})
     state, result, records = train_run(path)
     _, _, peft_records = train_run(path, "kernels.lora=false", f"output.dir={tmp_path / 'peft'}")
     model, recipe = state.model, state.recipe

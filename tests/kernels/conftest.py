@@ -1,8 +1,8 @@
 """Kernel tests run the Triton kernels on the CPU through Triton's interpreter.
 
-TRITON_INTERPRET must be set before anything imports triton, hence at the top of this conftest,
-which pytest imports before the test modules of this folder. An explicit TRITON_INTERPRET=0 (on a
-GPU machine) runs the same tests on the compiled kernels.
+TRITON_INTERPRET must be set before anything imports triton: tests/conftest.py sets it for the
+whole suite, and this conftest again for a run of this folder alone. An explicit TRITON_INTERPRET=0
+(on a GPU machine) runs the same tests on the compiled kernels.
 """
 
 from __future__ import annotations

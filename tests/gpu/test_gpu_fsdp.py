@@ -1,0 +1,64 @@
+"""FSDP2 on CUDA through NCCL, as `train --nproc N` shards on GPUs, in a process group of one (what a
+single-GPU machine allows): the small Llama with tied embeddings, patched, its fused loss reading the
+tied output weight through the sharded root, in bf16 compute over float32 weights with float32
+gradient reduction (the mixed-precision policy of several GPUs), gives the loss and gradients of the
+same float32 weights run in bf16 without sharding. The ranks' arithmetic (the sums over processes)
+is tested on the CPU with 2 gloo processes (tests/training/test_distributed.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_gpu_models import MAX_SEQ_LEN, SMALL_LLAMA, conversations
+
+from ligertune.data.batching import collate
+from ligertune.data.packing import pack
+from ligertune.distributed import destroy_process_group, full_tensor, shard
+from ligertune.models import CausalLMLoss, build_model, decoder_of, patch_model
+from ligertune.numerics import relative_error
+from ligertune.recipe import ModelConfig
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def nccl_group_of_one():
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    port = os.environ.get("LIGERTUNE_TEST_PORT", "29533")
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            device_id=device)
+    yield device
+    destroy_process_group()
+
+
+def loss_and_grads(head, model, batch, weights) -> tuple[float, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    out = head(batch.input_ids, batch.position_ids, batch.targets, weights,
+               cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen)
+    out.loss.backward()
+    grads = torch.cat([full_tensor(p.grad).float().reshape(-1) for p in model.parameters()])
+    return full_tensor(out.loss.detach()).item(), grads
+
+
+def test_fsdp_shards_in_bf16_over_float32_weights_with_tied_embeddings(nccl_group_of_one):
+    config = ModelConfig(config={**SMALL_LLAMA, "tie_word_embeddings": True}, attention="packed")
+    model = build_model(config, device="cuda", dtype=torch.float32, seed=0).train()
+    reference = build_model(config, device="cuda", dtype=torch.float32, seed=0).train().to(torch.bfloat16)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    patch_model(model)
+    patch_model(reference)
+    batch = collate(pack(conversations([300, 1000, 57, 641], seed=0), MAX_SEQ_LEN)).to("cuda")
+    supervised = (batch.targets != -100).float()
+    weights = supervised / supervised.sum()
+
+    want_loss, want_grads = loss_and_grads(CausalLMLoss(reference, fused=True), reference, batch, weights)
+    engine = shard(CausalLMLoss(model, fused=True), decoder_of(model).layers, strategy="fsdp",
+                   device=nccl_group_of_one, mixed_precision=torch.bfloat16)
+    loss, grads = loss_and_grads(engine, model, batch, weights)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the sharded master weights
+    assert abs(loss - want_loss) <= 1e-2 * abs(want_loss), (loss, want_loss)
+    assert relative_error(grads, want_grads) <= 5e-2

@@ -186,3 +186,26 @@ def test_verify_loss_samples_must_split_over_the_processes(tmp_path: Path):
     result = ligertune("verify-loss", str(write_recipe(tmp_path)), "--nproc", "2", "--samples", "5")
     assert result.returncode == 2
     assert "--samples: 5 conversations do not split evenly over 2 processes" in result.stderr
+
+
+def test_lion_under_fsdp_trains_as_one_process(tmp_path: Path):
+    """Lion's update is elementwise, so it runs on each rank's shard: 2 processes x 1 micro-batch give
+    the losses and the final model of 1 process x 2."""
+    path = write_recipe(tmp_path, train={"max_steps": 3, "micro_batch_size": 2, "grad_accum_steps": 1,
+                                         "eval_every": None},
+                        optim={"name": "lion", "lr": 3e-4, "weight_decay": 0.1, "schedule": "constant"})
+    two = tmp_path / "two"
+    result = ligertune("train", str(path), "--nproc", "2", "-o", str(two))
+    assert result.returncode == 0, result.stderr[-3000:]
+    straight = train_in_one_process(path, f"output.dir={tmp_path / 'one'}", "train.grad_accum_steps=2")
+    losses = [[r["loss"] for r in read_metrics(d / "metrics.jsonl") if "loss" in r] for d in (two, tmp_path / "one")]
+    assert len(losses[0]) == 3 and losses[0] == pytest.approx(losses[1], rel=1e-5)
+    ids = torch.tensor([straight.eval_examples[0].input_ids])
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "final")(input_ids=ids).logits
+    logits = AutoModelForCausalLM.from_pretrained(two / "final")(input_ids=ids).logits
+    assert relative_error(logits, expected) < 1e-4
+    from ligertune.models import build_model
+
+    recipe = straight.recipe
+    untrained = build_model(recipe.model, device="cpu", seed=recipe.train.seed, vocab_size=len(straight.tokenizer))
+    assert relative_error(untrained(input_ids=ids).logits, expected) > 1e-2  # the steps moved the model

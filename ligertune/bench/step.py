@@ -512,7 +512,7 @@ class _StepBench:
         """
         cfg = self.config
         n_warmup = 1 if per_pass else cfg.warmup
-        n_timed = cfg.steps if not per_pass else 1
+        n_timed = cfg.steps
         for _ in range(n_warmup):
             for step in steps:
                 step()

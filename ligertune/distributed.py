@@ -17,7 +17,6 @@ input embedding or not) is gathered by the root's hooks around the head's forwar
 from __future__ import annotations
 
 import contextlib
-
 import datetime
 import os
 from dataclasses import dataclass

@@ -27,14 +27,13 @@ from typing import Callable
 import torch
 
 from ligertune.bench.peers import NOT_INSTALLED, PEERS, Peer, find_peer, versions
-from ligertune.bench.problems import PROBLEMS, Impl, Problem, GemmFloor
+from ligertune.bench.problems import PROBLEMS, GemmFloor, Impl, Problem
 from ligertune.bench.results import KernelReport, KernelRow, describe_error
 from ligertune.bench.shapes import CPU_SHAPES, DEFAULT_KERNELS, GPU_SHAPES, KERNELS, SHAPE_DIMS, shape_label
 from ligertune.bench.timing import measure
 from ligertune.devices import device_name, release_memory, resolve_device, resolve_dtype
 from ligertune.errors import UserError
 from ligertune.numerics import relative_error
-
 
 PEAK_MEMORY_GBPS = (
     # (substring of the device name, memory bandwidth in GB/s from the data sheet); first match wins.

@@ -56,7 +56,6 @@ from ligertune.flops import StepFlops, device_peak_tflops
 from ligertune.recipe import Recipe
 from ligertune.training.loss_weights import step_token_weights
 
-
 LIGERTUNE = "ligertune"
 HF = "HF (sdpa)"
 HF_LIGER = "HF + Liger"

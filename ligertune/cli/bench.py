@@ -92,7 +92,13 @@ def kernels(
     Example: [bold]ligertune bench kernels -k flce --shapes flce:8192x4096x128256 --json bench.json[/]
     """
     from ligertune.bench.kernels import KernelBenchConfig, run_kernel_bench
-    from ligertune.bench.report import kernel_tables, plot_kernels, require_matplotlib, roofline_line, write_json
+    from ligertune.bench.report import (
+        kernel_tables,
+        plot_kernels,
+        require_matplotlib,
+        roofline_line,
+        write_json,
+    )
     from ligertune.bench.shapes import parse_shape
     from ligertune.errors import UserError
 

@@ -24,7 +24,12 @@ def validate(recipe: RecipeArg, set_: SetOpt = None) -> None:
 
     from ligertune.models import check_model, load_tokenizer
     from ligertune.recipe import load_recipe
-    from ligertune.training.build import build_data, check_model_skeleton, optimizer_warnings, trainable_dtypes
+    from ligertune.training.build import (
+        build_data,
+        check_model_skeleton,
+        optimizer_warnings,
+        trainable_dtypes,
+    )
     from ligertune.training.run_dir import check_output_dir
 
     console = Console()

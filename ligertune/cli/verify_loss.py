@@ -7,8 +7,8 @@ import os
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich import box
+from rich.console import Console
 from rich.table import Table
 
 from ligertune.cli.options import JsonOpt, RecipeArg, SetOpt

@@ -54,7 +54,7 @@ class CheckpointPlan:
                 f"activations ({self.input_gib:.2f} GiB checkpointed), predicted peak "
                 f"{self.predicted_peak_gib:.1f} GiB")
         if not self.fits:
-            line += f"; the budget is below what the step needs with every layer recomputed"
+            line += "; the budget is below what the step needs with every layer recomputed"
         return line
 
 

@@ -44,8 +44,6 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ligertune.data import IGNORE_INDEX, Batch, Pack, PaddedBatch, TokenizedExample, collate, collate_padded
 from ligertune.devices import resolve_dtype
-from ligertune.flops import StepFlops, device_peak_tflops
-from ligertune.training.memory import CheckpointPlanner, device_allocator, set_checkpointed
 from ligertune.distributed import (
     Topology,
     accumulating,
@@ -60,6 +58,7 @@ from ligertune.distributed import (
     topology_from_environment,
 )
 from ligertune.errors import EnvironmentFault, UserError
+from ligertune.flops import StepFlops, device_peak_tflops
 from ligertune.kernels import active_path
 from ligertune.models import CausalLMLoss, decoder_of, load_tokenizer
 from ligertune.models.quantize import parameter_count
@@ -92,6 +91,7 @@ from ligertune.training.checkpoint import (
 from ligertune.training.clipping import clip_gradients
 from ligertune.training.display import TrainProgress, sample_table, summary_table
 from ligertune.training.loss_weights import step_token_weights
+from ligertune.training.memory import CheckpointPlanner, device_allocator, set_checkpointed
 from ligertune.training.precision import optimizer_memory
 from ligertune.training.reporters import Reporters, open_reporters
 from ligertune.training.resume import check_resumable, find_checkpoint, load_model_weights

@@ -6,7 +6,8 @@ For a sample of the recipe's conversations and the recipe's model, and for each 
   attention, no ligertune kernel) and computes the loss by the definition of docs/loss.md from the
   full logits, with its own per-conversation counts;
 - ligertune's paths (packed; unpacked in one micro-batch; the step cut into several micro-batches)
-  run the patched model with packed attention and step-level token weights;
+  run the model as `train` runs it (the recipe's kernels; with LoRA and `kernels.lora`, the fast
+  LoRA forward) with packed attention and step-level token weights;
 - naive variants (no attention isolation, no position restart, plain concatenation, the wrong
   normalization) show the size of the error that the ligertune paths avoid.
 
@@ -45,6 +46,7 @@ from ligertune.distributed import (
 )
 from ligertune.errors import UserError
 from ligertune.models import decoder_of, load_tokenizer, unpatch_model
+from ligertune.models.lora import patch_lora, unpatch_lora
 from ligertune.numerics import relative_error
 from ligertune.recipe import LossConfig, Recipe
 from ligertune.training.build import build_device, build_head, build_model, patch_kernels
@@ -157,11 +159,12 @@ def verify_loss(recipe: Recipe, *, samples: int = 8, modes: Sequence[str] = ("to
         with reference_model(model):
             references[mode] = reference = run_reference(model, examples, pad_id, loss_cfg, mode, device)
         compare = Comparison(head, head.model, reference, loss_cfg, mode, device, tolerances, cases)
-        patch_kernels(model, recipe.kernels)
+        patch_ligertune(model, recipe)
         try:
             whole = [collate(packs)]
             compare(f"packed {len(packs)}, 1 micro-batch", "ligertune", whole)
-            compare(f"packed {len(packs)}, {len(packs)} micro-batches", "ligertune", [collate([p]) for p in packs])
+            compare(f"packed {len(packs)}, {len(packs)} micro-batches", "ligertune",
+                    [collate([p]) for p in packs])
             compare(f"unpacked, 1x{len(singles)}", "ligertune", [collate(singles)])
             compare(f"unpacked, {len(singles)}x1", "ligertune", [collate([s]) for s in singles])
             # Without isolation the model gets transformers' own attention: the packed attention
@@ -172,16 +175,17 @@ def verify_loss(recipe: Recipe, *, samples: int = 8, modes: Sequence[str] = ("to
             compare("no position restart", "naive", whole, restart=False)
             if mode == "sequence":
                 compare("token mean for sequence", "naive", whole,
-                        weighting=lambda targets, seq_ids: step_token_weights(targets, seq_ids, "token", ignore_index=loss_cfg.ignore_index,
-                                                           across_ranks=False))
+                        weighting=lambda targets, seq_ids: step_token_weights(
+                            targets, seq_ids, "token", ignore_index=loss_cfg.ignore_index,
+                            across_ranks=False))
             if mode == "token":
                 compare(f"mean per micro-batch, {len(singles)}x1", "naive",
                         [collate([s]) for s in singles],
-                        weighting=lambda targets, seq_ids: per_micro_batch_mean(targets, loss_cfg.ignore_index))
+                        weighting=lambda targets, _: per_micro_batch_mean(targets, loss_cfg.ignore_index))
         finally:
-            unpatch_model(model)
+            unpatch_ligertune(model)
     if topology.distributed:
-        patch_kernels(model, recipe.kernels)
+        patch_ligertune(model, recipe)
         engine = shard(head, decoder_of(model).layers, strategy=strategy(recipe), device=device,
                        mixed_precision=None)
         share = [examples[i] for i in split_packs(range(len(examples)), topology.world_size,
@@ -190,13 +194,27 @@ def verify_loss(recipe: Recipe, *, samples: int = 8, modes: Sequence[str] = ("to
         for mode in modes:
             compare = Comparison(engine, model, references[mode], loss_cfg, mode, device, tolerances, cases,
                                  topology=topology)
-            compare(f"{world} processes, packed, 1 micro-batch each", "ligertune", [collate(pack(share, capacity))])
-            compare(f"{world} processes, {len(share)}x1 each", "ligertune", [collate([s]) for s in packs_of_one(share)])
+            compare(f"{world} processes, packed, 1 micro-batch each", "ligertune",
+                    [collate(pack(share, capacity))])
+            compare(f"{world} processes, {len(share)}x1 each", "ligertune",
+                    [collate([s]) for s in packs_of_one(share)])
             if mode == "token":
                 compare(f"{world} processes, mean per process", "naive", [collate(packs_of_one(share))],
-                        weighting=lambda targets, seq_ids: per_process_mean(targets, loss_cfg.ignore_index, world))
+                        weighting=lambda targets, _: per_process_mean(targets, loss_cfg.ignore_index, world))
     return Report(cases, str(dtype).removeprefix("torch."), device.type, len(examples), tolerances,
                   processes=topology.world_size)
+
+
+def patch_ligertune(model: torch.nn.Module, recipe: Recipe) -> None:
+    """What `train` runs: the recipe's kernels and, with LoRA and `kernels.lora`, the fast LoRA forward."""
+    patch_kernels(model, recipe.kernels)
+    if recipe.lora is not None and recipe.kernels.lora:
+        patch_lora(model)
+
+
+def unpatch_ligertune(model: torch.nn.Module) -> None:
+    unpatch_lora(model)
+    unpatch_model(model)
 
 
 @dataclass
@@ -213,8 +231,8 @@ class Comparison:
     cases: list[Case]
     topology: Topology | None = None  # set: the loss and gradients are summed over the processes
 
-    def __call__(self, name: str, kind: str, micro: list[Batch], *, isolate: bool = True, restart: bool = True,
-                 weighting: Callable | None = None) -> None:
+    def __call__(self, name: str, kind: str, micro: list[Batch], *, isolate: bool = True,
+                 restart: bool = True, weighting: Callable | None = None) -> None:
         outcome = run_candidate(self.engine, self.model, micro, self.cfg, self.mode, self.device,
                                 isolate=isolate, restart=restart, weighting=weighting,
                                 distributed=self.topology is not None)
@@ -300,7 +318,8 @@ def run_candidate(engine: Callable, model: torch.nn.Module, micro: list[Batch], 
     targets = [b.targets for b in micro]
     seq_ids = [b.seq_ids for b in micro]
     if weighting is None:
-        weights = step_token_weights(targets, seq_ids, mode, ignore_index=cfg.ignore_index, across_ranks=distributed)
+        weights = step_token_weights(targets, seq_ids, mode, ignore_index=cfg.ignore_index,
+                                     across_ranks=distributed)
     else:
         weights = weighting(targets, seq_ids)
     model.zero_grad(set_to_none=True)

@@ -73,3 +73,24 @@ def test_unknown_mode_is_a_user_error(tiny_recipe: Path):
     result = CliRunner().invoke(app, ["verify-loss", str(tiny_recipe), "--modes", "tokens"])
     assert result.exit_code == 2
     assert "unknown mode 'tokens'" in result.stderr
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-lora", "peft-forward"])
+def test_verify_loss_runs_lora_as_train_does(tmp_path: Path, monkeypatch, fast: bool):
+    """With LoRA, the ligertune cases run the fast LoRA forward when `kernels.lora` is on (as train
+    does), peft's otherwise; both match the reference."""
+    import ligertune.verify as verify
+
+    patched = []
+
+    def spy(model):
+        patched.append(model)
+        return verify_patch_lora(model)
+
+    verify_patch_lora = verify.patch_lora
+    monkeypatch.setattr(verify, "patch_lora", spy)
+    path = write_recipe(tmp_path, lora={"r": 4, "alpha": 8, "target_modules": "all-linear"},
+                        kernels={"lora": fast})
+    report = verify_loss(load_recipe(path), samples=4, modes=["token"])
+    assert report.passed
+    assert bool(patched) == fast

@@ -333,6 +333,11 @@ class TrainConfig:
         None, "With `gradient_checkpointing: auto`: the peak device memory (GiB) a step may use; "
         "null: 90% of the GPU's memory."
     )
+    activation_offload: bool | Literal["auto"] = _field(
+        "auto", "Park the inputs of checkpointed layers in pinned host memory between their forward and "
+        "their recompute, the copies overlapped with compute: `auto` where it lets `gradient_checkpointing: "
+        "auto` recompute fewer layers (CUDA); `true` always; `false` never."
+    )
     device: Literal["auto", "cpu", "cuda"] = _field("auto", "`auto`: CUDA when available, else CPU.")
     log_every: int = _field(1, "Write a metrics record every N optimizer steps.")
     eval_every: int | None = _field(None, "Evaluate on the held-out data every N steps (and at the end).")
@@ -380,6 +385,9 @@ class TrainConfig:
             elif self.gradient_checkpointing != "auto":
                 problems.append(("memory_budget_gib", "applies to `gradient_checkpointing: auto` only; "
                                  f"gradient_checkpointing is {str(self.gradient_checkpointing).lower()}"))
+        if self.activation_offload is True and self.gradient_checkpointing is False:
+            problems.append(("activation_offload", "parks the inputs of checkpointed layers; "
+                             "gradient_checkpointing is false"))
         if self.spike_threshold is not None and self.spike_threshold <= 0:
             problems.append(("spike_threshold", f"must be > 0 or null, got {self.spike_threshold}"))
         if self.spike_window < 3:

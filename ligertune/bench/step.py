@@ -70,6 +70,7 @@ class StepBenchConfig:
     steps: int = 5
     warmup: int = 2
     chat: bool = True
+    peers: bool = True  # False: ligertune's rows only
     chat_micro_batches: int = 4
     peak_tflops: float | None = None
     measure_matmul: bool = True
@@ -138,7 +139,7 @@ def run_step_bench(
 ) -> StepReport:
     """Time the recipe's training step with ligertune, plain HF and HF + Liger, then packed vs padded chat."""
     device, dtype, report = _new_report(recipe, config, recipe_name, log)
-    _StepBench(recipe, config, device, dtype, _tokenizer_vocab(recipe), report, log).run()
+    _StepBench(recipe, config, device, dtype, _tokenizer_vocab(recipe), report, log).run(peers=config.peers)
     _compare(report)
     packed = next((r for r in report.rows if r.name == PACKED and r.tokens_per_s), None)
     if packed is not None:
@@ -238,7 +239,7 @@ def run_memory_caps(
     config = dataclasses.replace(config, chat=False)
     device, dtype, report = _new_report(recipe, config, recipe_name, log)
     vocab_size = _tokenizer_vocab(recipe)
-    for checkpointing in (False, True):
+    for checkpointing in (False, True) if config.peers else ():
         variant = _with_checkpointing(recipe, checkpointing, None)
         _StepBench(variant, config, device, dtype, vocab_size, report, log).run(ligertune=False)
     planned: dict[float, StepRow] = {}
@@ -396,7 +397,7 @@ class _StepBench:
 
     def _plan_checkpointing(self, model, step: Callable[[], None]) -> str:
         """What the recipe's `gradient_checkpointing` does to the model; for `auto`, the plan the
-        trainer would make, measured on one untimed step as the trainer measures its first."""
+        trainer would make, on two untimed steps as the trainer makes it on its first two."""
         from ligertune.models import decoder_of
         from ligertune.training.memory import CheckpointPlanner, device_allocator, set_checkpointed
 
@@ -409,11 +410,14 @@ class _StepBench:
             set_checkpointed(layers, 0)
             return f"auto: 0 of {len(layers)} layers"
         budget = cfg.memory_budget_gib or 0.9 * torch.cuda.get_device_properties(self.device).total_memory / 2**30
-        planner = CheckpointPlanner(model, layers, allocator, budget)
-        with planner.measuring():
-            step()
+        planner = CheckpointPlanner(model, layers, allocator, budget, offload=cfg.activation_offload)
+        for _ in range(2):  # measured, then checked against the plan
+            with planner.planning():
+                step()
         plan = planner.plan
-        return f"auto: {plan.checkpointed} of {len(layers)} layers (predicted {plan.predicted_peak_gib:.1f} GiB)"
+        offloaded = ", offloaded" if plan.offload else ""
+        return (f"auto: {plan.checkpointed} of {len(layers)} layers{offloaded} "
+                f"(predicted {plan.predicted_peak_gib:.1f} GiB)")
 
     def _hf(self) -> list[StepRow]:
         model = self._model(attention="sdpa").module

@@ -145,6 +145,10 @@ def step(
     chat: Annotated[
         bool, typer.Option("--chat/--no-chat", help="Also compare packed and padded chat batches.")
     ] = True,
+    peers: Annotated[
+        bool, typer.Option("--peers/--no-peers", help="Also time the peers (plain transformers, + Liger); "
+                                                     "--no-peers: ligertune's rows only.")
+    ] = True,
     peak_tflops: Annotated[
         Optional[float], typer.Option("--peak-tflops", help="The device's peak bf16 TFLOP/s for MFU "
                                       "(default: known GPUs' data sheet).", show_default=False)
@@ -190,7 +194,7 @@ def step(
             raise UserError("--plot: draws the memory frontier, so it needs --memory-cap")
         require_matplotlib()
     loaded = load_recipe(recipe, list(set_ or []))
-    config = StepBenchConfig(steps=steps, warmup=warmup, chat=chat, peak_tflops=peak_tflops)
+    config = StepBenchConfig(steps=steps, warmup=warmup, chat=chat, peers=peers, peak_tflops=peak_tflops)
     console = Console()
     progress = Console(stderr=True, highlight=False)
     log = lambda line: progress.print(f"[dim]{line}[/]")  # noqa: E731

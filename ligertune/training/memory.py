@@ -17,12 +17,27 @@ changes where activations live, not what is computed): A by counting the bytes a
 the un-checkpointed layer (parameters excluded, each storage once), C as the bytes of that layer's
 input, P_1 and S from the device's allocator. The decoder layers of one model are alike, so one
 layer's A stands for all of them.
+
+Two refinements:
+
+- Offload (`train.activation_offload`): the inputs of checkpointed layers 1 .. L-2 are parked in
+  pinned host memory after their forward and copied back one layer ahead of their recompute, on a
+  side stream overlapped with compute (`InputOffload`). With p parked layers the peak falls by
+  (p - 1) C (one input is on its way back while another is in use):
+
+      P(k) = P_1 + S + (k - 1) (A - C) - (p(k) - 1) C,   p(k) = L - k - 1  (k >= 1; L - 2 for k = 0)
+
+  `auto` offloads where that leaves more layers un-checkpointed than keeping the inputs would.
+- Calibration: the plan's step (the second) is measured too. Where its peak differs from P(k), the
+  difference is put on the k - 1 layers the model counts A for, A becomes A + (measured - P(k)) /
+  (k - 1), and the plan is made once more: autograd's saved bytes are an upper bound on what is
+  alive at the step's peak (some are freed before it).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
+import functools
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -32,43 +47,78 @@ from torch import nn
 GIB = 2**30
 
 
+def parked_layers(layers: int, checkpointed: int) -> int:
+    """How many of the first `checkpointed` layers `InputOffload` parks: those in 1 .. L-2."""
+    return max(0, min(checkpointed - 1, layers - 2))
+
+
+def predicted_peak(*, layers: int, checkpointed: int, offload: bool, activation: int,
+                   checkpointed_input: int, step_peak: int) -> int:
+    """P(k) of the module docstring, k = layers - checkpointed (bytes)."""
+    kept = layers - checkpointed
+    peak = step_peak + (kept - 1) * (activation - checkpointed_input)
+    if offload:
+        peak -= max(parked_layers(layers, checkpointed) - 1, 0) * checkpointed_input
+    return peak
+
+
 @dataclass(frozen=True)
 class CheckpointPlan:
-    """Which layers `auto` recomputes, and the measurements it decided from."""
+    """Which layers `auto` recomputes, whether their inputs are offloaded, and the measurements it
+    decided from."""
 
     layers: int
     checkpointed: int  # the first `checkpointed` layers are recomputed in backward
+    offload: bool  # their inputs (layers 1 .. L-2) wait in host memory
     budget_gib: float
     activation_gib: float  # A: one layer's saved activations, not checkpointed
     input_gib: float  # C: what a checkpointed layer keeps (its input)
     step_peak_gib: float  # P_1 + S
-    fits: bool  # False: even with every layer recomputed the step needs more than the budget
+    fits: bool  # False: even with every layer recomputed (and offloaded) the step needs more
 
     @property
     def predicted_peak_gib(self) -> float:
-        return self.step_peak_gib + (self.layers - self.checkpointed - 1) * (self.activation_gib - self.input_gib)
+        return predicted_peak(layers=self.layers, checkpointed=self.checkpointed, offload=self.offload,
+                              activation=self.activation_gib, checkpointed_input=self.input_gib,
+                              step_peak=self.step_peak_gib)
 
     def describe(self) -> str:
-        line = (f"gradient checkpointing (auto, {self.budget_gib:g} GiB budget): {self.checkpointed} of "
-                f"{self.layers} layers recomputed; a layer keeps {self.activation_gib:.2f} GiB of "
-                f"activations ({self.input_gib:.2f} GiB checkpointed), predicted peak "
-                f"{self.predicted_peak_gib:.1f} GiB")
+        return f"gradient checkpointing (auto, {self.budget_gib:g} GiB budget): {self.summary()}"
+
+    def summary(self) -> str:
+        offloaded = (f", the inputs of {parked_layers(self.layers, self.checkpointed)} in host memory"
+                     if self.offload else "")
+        line = (f"{self.checkpointed} of {self.layers} layers recomputed{offloaded}; a layer keeps "
+                f"{self.activation_gib:.2f} GiB of activations ({self.input_gib:.2f} GiB checkpointed), "
+                f"predicted peak {self.predicted_peak_gib:.1f} GiB")
         if not self.fits:
             line += "; the budget is below what the step needs with every layer recomputed"
         return line
 
 
 def plan_checkpointing(*, layers: int, activation: int, checkpointed_input: int, step_peak: int,
-                       budget: int) -> tuple[int, bool]:
-    """(layers to recompute, whether the step fits the budget) by the module docstring's formula.
+                       budget: int, offload: bool | str = False) -> tuple[int, bool, bool]:
+    """(layers to recompute, whether their inputs are offloaded, whether the step fits the budget),
+    by the module docstring's P(k); all sizes in bytes. `step_peak` is P_1 + S, measured with one
+    layer not checkpointed and no offload. `offload`: False, True, or "auto" (offload where it
+    leaves more layers un-checkpointed, or where only offloading fits)."""
 
-    `step_peak` is P_1 + S, measured with one layer not checkpointed; all arguments in bytes.
-    """
-    saving = max(activation - checkpointed_input, 1)
-    if step_peak - saving > budget:  # P(0) > budget: nothing fits; recompute all and say so
-        return layers, False
-    kept = min(layers, 1 + math.floor((budget - step_peak) / saving))
-    return layers - max(kept, 0), True
+    def fewest(offloaded: bool) -> int | None:
+        for count in range(layers + 1):
+            if predicted_peak(layers=layers, checkpointed=count, offload=offloaded, activation=activation,
+                              checkpointed_input=checkpointed_input, step_peak=step_peak) <= budget:
+                return count
+        return None
+
+    resident = fewest(False) if offload is not True else None
+    offloaded = fewest(True) if offload else None
+    if offload is True or (offloaded is not None and (resident is None or offloaded < resident)):
+        count, chosen = offloaded, True
+    else:
+        count, chosen = resident, False
+    if count is None:  # nothing fits: recompute all (offloaded if allowed) and say so
+        return layers, bool(offload) and parked_layers(layers, layers) > 0, False
+    return count, chosen and parked_layers(layers, count) > 0, True
 
 
 def set_checkpointed(layers: Sequence[nn.Module], count: int) -> None:
@@ -76,6 +126,109 @@ def set_checkpointed(layers: Sequence[nn.Module], count: int) -> None:
     model's gradient checkpointing must be enabled, which marks every layer)."""
     for i, layer in enumerate(layers):
         layer.gradient_checkpointing = i < count
+
+
+@dataclass
+class _Parked:
+    tensor: torch.Tensor  # the layer's input, its storage emptied while parked
+    host: torch.Tensor
+    ready: torch.cuda.Event | None = None  # set once the copy back is queued
+
+
+class InputOffload:
+    """Parks the inputs of checkpointed decoder layers 1 .. L-2 in host memory (pinned on CUDA)
+    between their forward and their recompute.
+
+    After a parked layer's forward its input is copied out on a side stream and the device storage
+    emptied (autograd's saved reference stays, pointing at no memory). In backward, just before a
+    layer's backward begins (a pre-hook on its output's gradient node), its input is made whole again
+    (waiting for its copy) and the copy of the previous layer's input is queued, so it travels while
+    this layer recomputes. Layer 0's input (the embeddings, which a model may read again) and the
+    last layer's (nothing runs before its backward to fetch it ahead) stay on the device.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], device: torch.device):
+        self.layers, self.device = list(layers), device
+        self.enabled = False
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._parked: dict[int, _Parked] = {}
+        self._hooks = [layer.register_forward_hook(functools.partial(self._after_forward, i), with_kwargs=True)
+                       for i, layer in enumerate(self.layers)]
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._parked.clear()
+
+    @property
+    def parked_count(self) -> int:
+        """The layers whose inputs are parked, as the layers' checkpointing is set now."""
+        return sum(getattr(layer, "gradient_checkpointing", False) for layer in self.layers[1:-1])
+
+    @property
+    def parked_bytes(self) -> int:
+        return sum(p.host.numel() * p.host.element_size() for p in self._parked.values())
+
+    def _after_forward(self, index: int, layer: nn.Module, args, kwargs, output) -> None:
+        # Only the step's own forward: not evaluation, not the recompute (which runs in backward).
+        if not (self.enabled and layer.training and torch.is_grad_enabled()
+                and torch._C._current_graph_task_id() == -1):
+            return
+        if index == 0:
+            self._parked.clear()  # a new forward: the last one's are gone or restored
+        out = output[0] if isinstance(output, tuple) else output
+        if out.grad_fn is not None:
+            out.grad_fn.register_prehook(functools.partial(self._before_backward, index))
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if getattr(layer, "gradient_checkpointing", False) and 0 < index < len(self.layers) - 1:
+            self._park(index, hidden)
+
+    def _park(self, index: int, hidden: torch.Tensor) -> None:
+        storage = hidden.untyped_storage()
+        if not (hidden.is_contiguous() and hidden.storage_offset() == 0
+                and storage.nbytes() == hidden.numel() * hidden.element_size()):
+            return  # a view into something larger: not this layer's to free
+        with torch.no_grad():
+            host = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=self.stream is not None)
+            if self.stream is None:
+                host.copy_(hidden)
+            else:
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self.stream):
+                    host.copy_(hidden, non_blocking=True)
+                hidden.record_stream(self.stream)  # the block is not reused before the copy is done
+        storage.resize_(0)
+        self._parked[index] = _Parked(hidden, host)
+
+    def _before_backward(self, index: int, grad_outputs) -> None:
+        parked = self._parked.pop(index, None)
+        if parked is not None:
+            self._fetch(parked)
+            if parked.ready is not None:
+                main = torch.cuda.current_stream(self.device)
+                main.wait_event(parked.ready)
+                parked.tensor.record_stream(main)
+        previous = self._parked.get(index - 1)
+        if previous is not None:
+            self._fetch(previous)
+
+    def _fetch(self, parked: _Parked) -> None:
+        """Queue the copy of a parked input back into its storage (at once on a CPU)."""
+        if parked.ready is not None or parked.tensor.untyped_storage().nbytes():
+            return
+        tensor, host = parked.tensor, parked.host
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            storage = tensor.untyped_storage()
+            storage.resize_(tensor.numel() * tensor.element_size())
+            # A fresh tensor over the storage: copying into the saved tensor itself would count as an
+            # in-place change and fail autograd's version check.
+            alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(storage, 0, tensor.shape,
+                                                                                   tensor.stride())
+            with torch.no_grad():
+                alias.copy_(host, non_blocking=self.stream is not None)
+            if self.stream is not None:
+                parked.ready = torch.cuda.Event()
+                parked.ready.record(self.stream)
 
 
 class SavedBytes:
@@ -145,11 +298,32 @@ def device_allocator(device: torch.device) -> CudaAllocator | None:
 
 
 class CheckpointPlanner:
-    """Measures the run's first step and then sets which layers are recomputed (module docstring)."""
+    """Measures the run's first step and sets which layers are recomputed (and whether their inputs
+    are offloaded), then corrects the plan once from the second step's peak (module docstring)."""
 
-    def __init__(self, model: nn.Module, layers: Sequence[nn.Module], allocator: CudaAllocator, budget_gib: float):
+    def __init__(self, model: nn.Module, layers: Sequence[nn.Module], allocator: CudaAllocator, budget_gib: float,
+                 offload: bool | str = "auto"):
         self.model, self.layers, self.allocator, self.budget_gib = model, list(layers), allocator, budget_gib
+        self.offload = offload
+        self.offloader = InputOffload(self.layers, self.allocator_device) if offload else None
         self.plan: CheckpointPlan | None = None
+        self.news: str | None = None  # a line for the user after `planning()` changed the plan
+        self._figures: dict[str, int] = {}
+        self._calibrated = False
+
+    @contextlib.contextmanager
+    def planning(self) -> Iterator[None]:
+        """Around each training step: the first is measured, the second checks the plan, later
+        ones run as planned."""
+        if self.plan is None:
+            with self.measuring():
+                yield
+            self.news = self.plan.describe()
+        elif not self._calibrated:
+            with self.calibrating():
+                yield
+        else:
+            yield
 
     @contextlib.contextmanager
     def measuring(self) -> Iterator[None]:
@@ -158,31 +332,63 @@ class CheckpointPlanner:
         processes, each measures and all take the largest figures, so that they make one plan."""
         set_checkpointed(self.layers, len(self.layers))
         self.layers[-1].gradient_checkpointing = False
+        if self.offloader is not None:
+            self.offloader.enabled = False
         saved = SavedBytes(self.layers[-1], self.model.parameters())
         self.allocator.reset_peak()
         before = self.allocator.allocated()
         with saved.counting():
             yield
         state = max(self.allocator.allocated() - before, 0)  # what the first update allocated
-        figures = [saved.activation, saved.input, self.allocator.peak() + state]
+        activation, checkpointed_input, step_peak = self._largest(
+            [saved.activation, saved.input, self.allocator.peak() + state])
+        self.apply(activation=activation, checkpointed_input=checkpointed_input, step_peak=step_peak)
+
+    @contextlib.contextmanager
+    def calibrating(self) -> Iterator[None]:
+        """Around the second step, the first run as planned: where its peak differs from the plan's
+        prediction, A is corrected by the difference over the layers it was counted for, and the
+        plan made again (once)."""
+        self.allocator.reset_peak()
+        yield
+        self._calibrated = True
+        (measured,) = self._largest([self.allocator.peak()])
+        plan, kept = self.plan, self.plan.layers - self.plan.checkpointed
+        predicted = plan.predicted_peak_gib * GIB
+        if kept == 1:
+            return  # the step measured for the plan: nothing new to learn about A
+        figures = self._figures
+        activation = max(figures["activation"] + int((measured - predicted) / (kept - 1)),
+                         figures["checkpointed_input"])
+        before = plan.checkpointed, plan.offload
+        plan = self.apply(activation=activation, checkpointed_input=figures["checkpointed_input"],
+                          step_peak=figures["step_peak"])
+        if (plan.checkpointed, plan.offload) != before:
+            self.news = (f"gradient checkpointing re-planned from step peak {measured / GIB:.1f} GiB "
+                         f"(predicted {predicted / GIB:.1f}): {plan.summary()}")
+
+    def _largest(self, figures: list[int]) -> list[int]:
+        """The figures' maxima over the processes (the figures themselves with one)."""
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             reduced = torch.tensor(figures, dtype=torch.float64, device=self.allocator_device)
             torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX)
-            figures = [int(x) for x in reduced.tolist()]
-        activation, checkpointed_input, step_peak = figures
-        self.apply(activation=activation, checkpointed_input=checkpointed_input, step_peak=step_peak)
+            return [int(x) for x in reduced.tolist()]
+        return figures
 
     @property
     def allocator_device(self) -> torch.device:
         return getattr(self.allocator, "device", torch.device("cpu"))
 
     def apply(self, *, activation: int, checkpointed_input: int, step_peak: int) -> CheckpointPlan:
-        count, fits = plan_checkpointing(layers=len(self.layers), activation=activation,
-                                         checkpointed_input=checkpointed_input, step_peak=step_peak,
-                                         budget=int(self.budget_gib * GIB))
+        self._figures = dict(activation=activation, checkpointed_input=checkpointed_input, step_peak=step_peak)
+        count, offload, fits = plan_checkpointing(
+            layers=len(self.layers), activation=activation, checkpointed_input=checkpointed_input,
+            step_peak=step_peak, budget=int(self.budget_gib * GIB), offload=self.offload)
         set_checkpointed(self.layers, count)
+        if self.offloader is not None:
+            self.offloader.enabled = offload
         self.plan = CheckpointPlan(
-            layers=len(self.layers), checkpointed=count, budget_gib=self.budget_gib,
+            layers=len(self.layers), checkpointed=count, offload=offload, budget_gib=self.budget_gib,
             activation_gib=activation / GIB, input_gib=checkpointed_input / GIB, step_peak_gib=step_peak / GIB,
             fits=fits,
         )

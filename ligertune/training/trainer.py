@@ -43,7 +43,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ligertune.data import IGNORE_INDEX, Batch, Pack, PaddedBatch, TokenizedExample, collate, collate_padded
-from ligertune.devices import resolve_dtype
 from ligertune.distributed import (
     Topology,
     accumulating,
@@ -72,6 +71,7 @@ from ligertune.training.build import (
     build_model,
     build_optimizer,
     build_scheduler,
+    fsdp_dtypes,
     optimizer_warnings,
     packs_per_step,
     total_steps,
@@ -91,7 +91,7 @@ from ligertune.training.checkpoint import (
 from ligertune.training.clipping import clip_gradients
 from ligertune.training.display import TrainProgress, sample_table, summary_table
 from ligertune.training.loss_weights import step_token_weights
-from ligertune.training.memory import CheckpointPlanner, device_allocator, set_checkpointed
+from ligertune.training.memory import CheckpointPlanner, InputOffload, device_allocator, set_checkpointed
 from ligertune.training.precision import optimizer_memory
 from ligertune.training.reporters import Reporters, open_reporters
 from ligertune.training.resume import check_resumable, find_checkpoint, load_model_weights
@@ -166,6 +166,8 @@ class Run:
     last_loss: float | None = None
     checkpointing: CheckpointPlanner | int | None = None
     """Gradient checkpointing: the layers recomputed, or the planner of `auto` (None: off)."""
+    offload: InputOffload | None = None
+    """Parks checkpointed layers' inputs in host memory while enabled (`train.activation_offload`)."""
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     spikes: MetricsLog = field(default_factory=lambda: MetricsLog(None))
     """`spikes.jsonl` (rank 0, with the spike watch on)."""
@@ -256,17 +258,15 @@ def setup(recipe: Recipe, console: Console, *, resume: str | Path | None = None,
 
     checkpoint, saved = together(find)
     torch.manual_seed(cfg.seed)
-    mixed_precision = None
-    if topology.distributed and device.type == "cuda" and strategy(recipe) == "fsdp":
-        # bf16 (or fp16) compute over float32 master weights, sharded.
-        mixed_precision = resolve_dtype(recipe.model.dtype, device)
-        mixed_precision = None if mixed_precision == torch.float32 else mixed_precision
+    # bf16 (or fp16) compute over float32 master weights, sharded; a LoRA base stays 16-bit.
+    dtypes = fsdp_dtypes(recipe, device.type, sharded=topology.distributed and strategy(recipe) == "fsdp")
+    mixed_precision = dtypes.compute
 
     def build() -> tuple:
         tokenizer = load_tokenizer(recipe.model)
         data = build_data(recipe, tokenizer, show_progress=topology.is_main)
         built = build_model(recipe, device=device, vocab_size=len(tokenizer),
-                            dtype=torch.float32 if mixed_precision else None)
+                            dtype=dtypes.model, trainable_dtype=dtypes.trainable)
         if checkpoint is not None:
             load_model_weights(built.module, checkpoint)
         return tokenizer, data, built
@@ -308,6 +308,8 @@ def setup(recipe: Recipe, console: Console, *, resume: str | Path | None = None,
         reporters=reporters, spikes=spikes,
     )
     run.checkpointing = checkpointing_policy(run)
+    run.offload = run.checkpointing.offloader if isinstance(run.checkpointing, CheckpointPlanner) else (
+        fixed_offload(run))
     describe_run(run, mixed_precision or built.dtype, built.patches.describe() if built.patches else "none")
     if checkpoint is not None:
         restore(run, checkpoint, saved)
@@ -329,7 +331,16 @@ def checkpointing_policy(run: Run) -> CheckpointPlanner | int | None:
     budget = cfg.memory_budget_gib
     if budget is None:
         budget = 0.9 * torch.cuda.get_device_properties(run.device).total_memory / 2**30
-    return CheckpointPlanner(run.model, layers, allocator, budget)
+    return CheckpointPlanner(run.model, layers, allocator, budget, offload=cfg.activation_offload)
+
+
+def fixed_offload(run: Run) -> InputOffload | None:
+    """`activation_offload: true` where no planner decides: the checkpointed layers' inputs, always."""
+    if run.recipe.train.activation_offload is not True or not run.checkpointing:
+        return None
+    offload = InputOffload(decoder_of(run.model).layers, run.device)
+    offload.enabled = True
+    return offload
 
 
 def checkpointed_layers(policy: CheckpointPlanner | int) -> int:
@@ -399,7 +410,8 @@ def describe_run(run: Run, dtype: torch.dtype, patches: str) -> None:
                           "step measures the layers' activations")
     elif policy is not None:
         layers = len(decoder_of(run.model).layers)
-        run.console.print(f"gradient checkpointing: {policy} of {layers} layers recomputed"
+        offloaded = f", the inputs of {run.offload.parked_count} in host memory" if run.offload else ""
+        run.console.print(f"gradient checkpointing: {policy} of {layers} layers recomputed{offloaded}"
                           + ("" if recipe.train.gradient_checkpointing is True else
                              " (auto: no device memory to budget on a CPU)"))
     if run.topology.distributed:
@@ -449,12 +461,12 @@ def train_loop(run: Run, stop: StopSignals | None = None) -> TrainResult:
             evaluate_and_log(run, progress)
         run.meter.start()
         while run.state.step < run.total_steps:
-            if isinstance(run.checkpointing, CheckpointPlanner) and run.checkpointing.plan is None:
-                with run.checkpointing.measuring():
-                    stats = train_step(run, next_batches(run))
-                run.console.print(run.checkpointing.plan.describe())
-            else:
+            planner = run.checkpointing if isinstance(run.checkpointing, CheckpointPlanner) else None
+            with planner.planning() if planner else contextlib.nullcontext():
                 stats = train_step(run, next_batches(run))
+            if planner and planner.news:
+                run.console.print(planner.news, markup=False)
+                planner.news = None
             record = log(run, stats)
             result = maybe_evaluate(run, progress)
             if record is not None and result is not None:
@@ -573,6 +585,8 @@ def log(run: Run, stats: StepStats) -> dict | None:
         record["mfu"] = rates.mfu
     if run.checkpointing is not None:
         record["checkpointed_layers"] = checkpointed_layers(run.checkpointing)
+    if run.offload is not None:
+        record["offloaded_layers"] = run.offload.parked_count if run.offload.enabled else 0
     if run.recipe.optim.clip == "per_tensor":
         record["clipped_tensors"] = stats.clipped
     if run.recipe.train.spike_threshold is not None:
@@ -750,6 +764,8 @@ def finish(run: Run) -> TrainResult:
 
 
 def cleanup(run: Run) -> None:
+    if run.offload is not None:
+        run.offload.remove()
     run.metrics.close()
     run.spikes.close()
     if run.reporters is not None:

@@ -204,3 +204,14 @@ def test_plot_needs_memory_caps(recipe_file):
     result = CliRunner().invoke(app, ["step", str(recipe_file), "--plot", "x.png"])
     assert result.exit_code == 2
     assert "--plot: draws the memory frontier, so it needs --memory-cap" in result.output
+
+
+def test_bench_step_without_peers_times_ligertune_only(recipe_file, tmp_path, no_peers):
+    out = tmp_path / "caps.json"
+    args = ["step", str(recipe_file), "--steps", "1", "--warmup", "0", "--no-chat", "--no-peers",
+            "--memory-cap", "4", "--json", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    data = json.loads(out.read_text())
+    assert [(r["name"], r["status"]) for r in data["rows"]] == [("ligertune", "ok")]
+    assert [c["name"] for c in data["choices"]] == ["ligertune"]

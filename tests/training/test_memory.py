@@ -1,5 +1,6 @@
 """`gradient_checkpointing: auto`: the plan's arithmetic, the measurement of a layer's saved
-activations, and a run that recomputes part of its layers computing what a run without does."""
+activations, the offload of checkpointed layers' inputs, the plan's correction from the second
+step, and runs that recompute or offload computing what a run without does."""
 
 from __future__ import annotations
 
@@ -15,18 +16,25 @@ from ligertune.models import decoder_of
 from ligertune.recipe import load_recipe
 from ligertune.training.build import enable_gradient_checkpointing
 from ligertune.training.checkpoint import read_metrics
-from ligertune.training.memory import GIB, SavedBytes, plan_checkpointing, set_checkpointed
+from ligertune.training.memory import (
+    GIB,
+    CheckpointPlanner,
+    InputOffload,
+    SavedBytes,
+    plan_checkpointing,
+    set_checkpointed,
+)
 from ligertune.training.trainer import cleanup, setup, train_loop
-from tiny_recipe import write_recipe
+from tiny_recipe import TINY_MODEL, write_recipe
 
 
 @pytest.mark.parametrize("budget, want", [
-    (10_000, (0, True)),  # everything fits: nothing recomputed
-    (1_000, (4, True)),  # P(1) = 500; each kept layer adds 90: 1 + floor(500 / 90) = 6 kept
-    (590, (8, True)),  # P(1) + 90: 2 kept
-    (589, (9, True)),  # just short of it: 1 kept
-    (410, (10, True)),  # P(0) = 410 fits exactly
-    (409, (10, False)),  # even P(0) is over the budget: recompute all, and say so
+    (10_000, (0, False, True)),  # everything fits: nothing recomputed
+    (1_000, (4, False, True)),  # P(1) = 500; each kept layer adds 90: 1 + floor(500 / 90) = 6 kept
+    (590, (8, False, True)),  # P(1) + 90: 2 kept
+    (589, (9, False, True)),  # just short of it: 1 kept
+    (410, (10, False, True)),  # P(0) = 410 fits exactly
+    (409, (10, False, False)),  # even P(0) is over the budget: recompute all, and say so
 ])
 def test_plan_keeps_as_many_layers_as_the_budget_allows(budget, want):
     layers, activation, checkpointed_input, step_peak = 10, 100, 10, 500  # a kept layer costs 90 more
@@ -34,9 +42,25 @@ def test_plan_keeps_as_many_layers_as_the_budget_allows(budget, want):
                               step_peak=step_peak, budget=budget) == want
 
 
-def tiny_llama() -> LlamaForCausalLM:
+# With offload, k kept layers park the inputs of p(k) = 9 - k layers (8 for k = 0), of which all but
+# one stay off the device: P(k) = 500 + 90 (k - 1) - 10 (p(k) - 1).
+@pytest.mark.parametrize("offload, budget, want", [
+    ("auto", 590, (8, False, True)),  # offloaded, 3 kept would need 630: it buys no layer
+    ("auto", 630, (7, True, True)),  # it buys the third kept layer
+    ("auto", 409, (10, True, True)),  # P(0) = 410 without, 340 with: only offloading fits
+    ("auto", 339, (10, True, False)),  # nothing fits: recompute and offload all, and say so
+    (False, 630, (8, False, True)),
+    (True, 590, (8, True, True)),  # offloaded though it buys nothing
+    (True, 10_000, (0, False, True)),  # nothing recomputed: nothing to offload
+])
+def test_offload_is_chosen_where_it_keeps_more_layers(offload, budget, want):
+    assert plan_checkpointing(layers=10, activation=100, checkpointed_input=10, step_peak=500, budget=budget,
+                              offload=offload) == want
+
+
+def tiny_llama(layers: int = 3) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2)
     model = LlamaForCausalLM(config)
     enable_gradient_checkpointing(model)
@@ -63,6 +87,95 @@ def test_saved_bytes_counts_one_layers_activations():
     # are not counted. Attention here is linear in T (sdpa saves its output and log-sum-exp).
     assert 4 * small.input < small.activation < 100 * small.input
     assert large.activation == pytest.approx(2 * small.activation, rel=0.05)
+
+
+def loss_and_grads(model, ids, during=lambda: None):
+    loss = model(input_ids=ids, labels=ids).loss
+    during()
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def test_offload_parks_the_inputs_of_middle_checkpointed_layers_and_computes_the_same():
+    model = tiny_llama(layers=5)
+    layers = decoder_of(model).layers
+    set_checkpointed(layers, 4)  # layers 0-3 recomputed, layer 4 not
+    ids = torch.randint(0, 128, (2, 48))
+    want_loss, want_grads = loss_and_grads(model, ids)
+
+    offload = InputOffload(layers, torch.device("cpu"))
+    offload.enabled = True
+    parked = {}
+
+    def after_forward():  # what is parked between the forward and the backward
+        parked.update({i: p.tensor.untyped_storage().nbytes() for i, p in offload._parked.items()})
+        parked["bytes"] = offload.parked_bytes
+
+    loss, grads = loss_and_grads(model, ids, during=after_forward)
+    offload.remove()
+    # Layers 1-3 are parked (not 0, the embeddings; 4 is not checkpointed), their device storage empty.
+    assert parked == {1: 0, 2: 0, 3: 0, "bytes": 3 * 2 * 48 * 32 * 4}
+    assert offload.parked_count == 3 and not offload._parked  # all restored by the backward
+    assert torch.equal(loss, want_loss)
+    for got, want in zip(grads, want_grads):
+        assert torch.equal(got, want)
+
+
+def test_offload_leaves_evaluation_and_unparked_runs_alone():
+    model = tiny_llama(layers=4)
+    layers = decoder_of(model).layers
+    set_checkpointed(layers, 4)
+    offload = InputOffload(layers, torch.device("cpu"))
+    offload.enabled = True
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 128, (1, 16)))
+    assert not offload._parked
+    offload.enabled = False
+    model(input_ids=torch.randint(0, 128, (1, 16))).logits.sum().backward()
+    assert not offload._parked
+    offload.remove()
+
+
+class StepAllocator:
+    """A device whose step peaks are given in turn, allocating nothing for the optimizer."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, peaks: list[int]):
+        self.peaks = peaks
+
+    def reset_peak(self) -> None:
+        pass
+
+    def allocated(self) -> int:
+        return 0
+
+    def peak(self) -> int:
+        return self.peaks.pop(0)
+
+
+def test_the_second_step_corrects_the_plan():
+    model = tiny_llama(layers=10)
+    layers = decoder_of(model).layers
+    # Measured: P_1 + S = 500, and (as set below) A = 100, C = 10 per layer. With a budget of 860 the
+    # plan keeps 1 + (860 - 500) / 90 = 5 layers and predicts 860. The second step peaks at 700:
+    # the 4 layers counted at A hold 40 less each, A = 60, and 1 + 360 / 50 = 8 layers fit.
+    planner = CheckpointPlanner(model, layers, StepAllocator([500, 700]), budget_gib=860 / GIB, offload=False)
+    with planner.measuring():
+        pass
+    planner.apply(activation=100, checkpointed_input=10, step_peak=500)
+    assert planner.plan.checkpointed == 5 and planner.plan.predicted_peak_gib * GIB == pytest.approx(860)
+    with planner.planning():  # the second step
+        pass
+    assert planner.plan.checkpointed == 2
+    assert planner.plan.activation_gib * GIB == pytest.approx(60)
+    assert [layer.gradient_checkpointing for layer in layers] == [True] * 2 + [False] * 8
+    assert planner.news.startswith("gradient checkpointing re-planned from step peak")
+    with planner.planning():  # later steps change nothing
+        pass
+    assert planner.plan.checkpointed == 2
 
 
 class FakeAllocator:
@@ -126,4 +239,31 @@ def test_a_budget_without_auto_is_refused(tmp_path: Path):
 
     path = write_recipe(tmp_path, train={"gradient_checkpointing": True, "memory_budget_gib": 20})
     with pytest.raises(UserError, match="train.memory_budget_gib: applies to `gradient_checkpointing: auto` only"):
+        load_recipe(path)
+
+
+def test_a_run_with_offload_trains_as_one_without(tmp_path: Path):
+    path = write_recipe(tmp_path, model={"config": {**TINY_MODEL, "num_hidden_layers": 4}},
+                        train={"max_steps": 2, "gradient_checkpointing": True, "activation_offload": True})
+    losses = {}
+    for offload in (True, False):
+        out = tmp_path / f"offload-{offload}"
+        run = setup(load_recipe(path, [f"train.activation_offload={str(offload).lower()}", f"output.dir={out}"]),
+                    Console(quiet=True))
+        try:
+            assert (run.offload is not None) == offload
+            train_loop(run)
+        finally:
+            cleanup(run)
+        records = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+        assert [r.get("offloaded_layers") for r in records] == ([2, 2] if offload else [None, None])
+        losses[offload] = [r["loss"] for r in records]
+    assert losses[True] == losses[False]
+
+
+def test_offload_without_checkpointing_is_refused(tmp_path: Path):
+    from ligertune.errors import UserError
+
+    path = write_recipe(tmp_path, train={"activation_offload": True})
+    with pytest.raises(UserError, match="train.activation_offload: parks the inputs of checkpointed layers"):
         load_recipe(path)

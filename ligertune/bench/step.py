@@ -414,6 +414,9 @@ class _StepBench:
         for _ in range(2):  # measured, then checked against the plan
             with planner.planning():
                 step()
+            if planner.news:
+                self.log(planner.news)
+                planner.news = None
         plan = planner.plan
         offloaded = ", offloaded" if plan.offload else ""
         return (f"auto: {plan.checkpointed} of {len(layers)} layers{offloaded} "

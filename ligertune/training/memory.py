@@ -28,10 +28,12 @@ Two refinements:
       P(k) = P_1 + S + (k - 1) (A - C) - (p(k) - 1) C,   p(k) = L - k - 1  (k >= 1; L - 2 for k = 0)
 
   `auto` offloads where that leaves more layers un-checkpointed than keeping the inputs would.
-- Calibration: the plan's step (the second) is measured too. Where its peak differs from P(k), the
-  difference is put on the k - 1 layers the model counts A for, A becomes A + (measured - P(k)) /
-  (k - 1), and the plan is made once more: autograd's saved bytes are an upper bound on what is
-  alive at the step's peak (some are freed before it).
+- Calibration: the plan's step (the second) is measured too, and where its peak differs from P(k)
+  the model is moved by the difference (P_1 + S becomes P_1 + S + measured - P(k)) and the plan
+  made once more. The slope A - C stays: autograd's saved bytes are an upper bound on what a kept
+  layer adds at the peak (some are freed before it), so from the measured point the model errs on
+  the safe side. The intercept cannot be measured once for all k: with one layer kept the step
+  peaks inside the backward, with many at the end of the forward.
 """
 
 from __future__ import annotations
@@ -346,23 +348,17 @@ class CheckpointPlanner:
 
     @contextlib.contextmanager
     def calibrating(self) -> Iterator[None]:
-        """Around the second step, the first run as planned: where its peak differs from the plan's
-        prediction, A is corrected by the difference over the layers it was counted for, and the
-        plan made again (once)."""
+        """Around the second step, the first run as planned: the model is moved to pass through its
+        measured peak, and the plan made again (once)."""
         self.allocator.reset_peak()
         yield
         self._calibrated = True
         (measured,) = self._largest([self.allocator.peak()])
-        plan, kept = self.plan, self.plan.layers - self.plan.checkpointed
-        predicted = plan.predicted_peak_gib * GIB
-        if kept == 1:
-            return  # the step measured for the plan: nothing new to learn about A
-        figures = self._figures
-        activation = max(figures["activation"] + int((measured - predicted) / (kept - 1)),
-                         figures["checkpointed_input"])
+        plan, figures = self.plan, self._figures
+        predicted = round(plan.predicted_peak_gib * GIB)
         before = plan.checkpointed, plan.offload
-        plan = self.apply(activation=activation, checkpointed_input=figures["checkpointed_input"],
-                          step_peak=figures["step_peak"])
+        plan = self.apply(activation=figures["activation"], checkpointed_input=figures["checkpointed_input"],
+                          step_peak=figures["step_peak"] + measured - predicted)
         if (plan.checkpointed, plan.offload) != before:
             self.news = (f"gradient checkpointing re-planned from step peak {measured / GIB:.1f} GiB "
                          f"(predicted {predicted / GIB:.1f}): {plan.summary()}")

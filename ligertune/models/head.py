@@ -21,7 +21,7 @@ from ligertune import kernels
 from ligertune.kernels import LossOutput
 from ligertune.kernels.chunked_loss import FLCE_REDUCTIONS
 from ligertune.kernels.reference import cross_entropy_rows
-from ligertune.models.attention import packed_attention_kwargs
+from ligertune.models.attention import PACKED_ATTENTION, conversations_mask, packed_attention_kwargs
 from ligertune.models.unwrap import decoder_of, output_head_of, plain_projection, unwrap_model
 
 
@@ -125,11 +125,14 @@ class CausalLMLoss(nn.Module):
         is the padding mask of an unpacked, padded batch. `token_weights` [B, L] and `reduction` as
         in `fused_linear_cross_entropy` ("sum" of w_t l_t by default).
         """
+        decoder = decoder_of(self.model)
         extra = {}
         if cu_seqlens is not None:
             extra = packed_attention_kwargs(cu_seqlens, max_seqlen, total_tokens=input_ids.numel(),
                                             device=input_ids.device)
-        out = decoder_of(self.model)(
+            if attention_mask is None and decoder.config._attn_implementation == PACKED_ATTENTION:
+                attention_mask = conversations_mask(input_ids.device)
+        out = decoder(
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
             use_cache=False, **extra,
         )

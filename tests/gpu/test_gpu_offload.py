@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ligertune.models import build_model, decoder_of
+from ligertune.numerics import relative_error
 from ligertune.recipe import ModelConfig
 from ligertune.training.build import enable_gradient_checkpointing
 from ligertune.training.memory import InputOffload, set_checkpointed
@@ -41,7 +42,9 @@ def test_offload_on_cuda_computes_the_same_and_frees_the_inputs():
     ids = torch.randint(0, SMALL_LLAMA["vocab_size"], (2, 2048), device="cuda")
     want_loss, want_grads = step(model, ids)
     memory = {}
-    step(model, ids, between=lambda: memory.setdefault("kept", torch.cuda.memory_allocated()))
+    _, again = step(model, ids, between=lambda: memory.setdefault("kept", torch.cuda.memory_allocated()))
+    # The backward's own run-to-run spread (atomic adds in attention's backward): the bar for offload.
+    spread = relative_error(torch.cat([g.flatten() for g in again]), torch.cat([g.flatten() for g in want_grads]))
 
     offload = InputOffload(layers, torch.device("cuda"))
     offload.enabled = True
@@ -53,9 +56,9 @@ def test_offload_on_cuda_computes_the_same_and_frees_the_inputs():
 
     for _ in range(2):  # the second step reuses the pinned buffers and the side stream
         loss, grads = step(model, ids, between=parked)
-        assert torch.equal(loss, want_loss)
-        for got, want in zip(grads, want_grads):
-            assert torch.equal(got, want)
+        assert torch.equal(loss, want_loss)  # the forward is deterministic
+        error = relative_error(torch.cat([g.flatten() for g in grads]), torch.cat([g.flatten() for g in want_grads]))
+        assert error <= max(4 * spread, 1e-6), (error, spread)
     offload.remove()
     one_input = 2 * 2048 * SMALL_LLAMA["hidden_size"] * 2  # bf16
     assert memory["parked"] == (LAYERS - 2) * one_input  # layers 1 .. L-2

@@ -47,6 +47,30 @@ def test_packed_forward_equals_each_conversation_alone(family, packed_batch):
     assert (naive[first:] - expected[first:]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("family", FAMILY_IDS)
+@torch.no_grad()
+def test_the_loss_head_builds_no_mask_and_reads_no_positions(family, packed_batch, monkeypatch):
+    """With cu_seqlens the head passes `conversations_mask`: transformers neither builds a mask nor
+    searches the position ids for packed rows (a device sync), and the loss is the same."""
+    import transformers.masking_utils as masking
+
+    import ligertune.models.head as head_module
+    from ligertune.models import CausalLMLoss
+
+    head = CausalLMLoss(make_model(family))
+    args = (packed_batch.input_ids, packed_batch.position_ids, packed_batch.targets)
+    kwargs = dict(cu_seqlens=packed_batch.cu_seqlens, max_seqlen=max(packed_batch.lengths))
+    searches = []
+    search = masking.find_packed_sequence_indices
+    monkeypatch.setattr(masking, "find_packed_sequence_indices",
+                        lambda position_ids: searches.append(position_ids) or search(position_ids))
+    loss = head(*args, **kwargs).loss
+    assert not searches
+    monkeypatch.setattr(head_module, "conversations_mask", lambda device: None)  # no mask passed
+    assert torch.equal(head(*args, **kwargs).loss, loss)
+    assert searches  # the search the mask avoids
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 @torch.no_grad()
 def test_restarting_position_ids_alone_also_isolate(family, packed_batch):

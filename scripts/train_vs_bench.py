@@ -25,9 +25,16 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from ligertune.bench.step import LIGERTUNE, PACKED, StepBenchConfig, run_step_bench, synthetic_conversations
+from ligertune.bench.step import (
+    LIGERTUNE,
+    PACKED,
+    StepBenchConfig,
+    run_step_bench,
+    synthetic_conversations,
+    whole_micro_batches,
+)
 from ligertune.data.chat import TokenizedExample
-from ligertune.data.packing import pack, packs_of_one
+from ligertune.data.packing import packs_of_one
 from ligertune.devices import synchronize
 from ligertune.recipe import load_recipe
 from ligertune.training.checkpoint import read_metrics
@@ -76,12 +83,13 @@ def main(path: Path, steps: int) -> None:
         long = [TokenizedExample(ids, ids) for ids in torch.randint(0, vocab, (8 * batch, seq_len), generator=gen).tolist()]
         long_rate, _ = train_rate(recipe_for("long"), packs_of_one(long), Path(tmp) / "long", steps)
 
-        # bench step's chat rows: about 4 micro-batches of these conversations, packed best-fit.
-        chat = synthetic_conversations(4 * batch * seq_len, seq_len, vocab, 0)
-        mixed_rate, update_ms = train_rate(recipe_for("mixed"), pack(chat, seq_len), Path(tmp) / "mixed", steps)
+        # bench step's chat rows: the conversations that fill 4 micro-batches, packed best-fit.
+        _, packs = whole_micro_batches(synthetic_conversations(4 * batch * seq_len, seq_len, vocab, 0),
+                                       seq_len, batch)
+        mixed_rate, update_ms = train_rate(recipe_for("mixed"), packs, Path(tmp) / "mixed", steps)
 
     chat_row = rows[PACKED]
-    micro_batches = -(-len(pack(chat, seq_len)) // batch)
+    micro_batches = len(packs) // batch
     chat_with_update = chat_row.tokens / ((chat_row.step_ms + micro_batches * update_ms) * 1e-3)
     print(f"{bench.device}, {bench.dtype}, {path.name}, {steps} train steps (median after {WARMUP_STEPS})")
     print(f"{'shape':8} {'train tok/s':>12} {'bench tok/s':>12} {'train/bench':>12}")

@@ -215,3 +215,15 @@ def test_bench_step_without_peers_times_ligertune_only(recipe_file, tmp_path, no
     data = json.loads(out.read_text())
     assert [(r["name"], r["status"]) for r in data["rows"]] == [("ligertune", "ok")]
     assert [c["name"] for c in data["choices"]] == ["ligertune"]
+
+
+def test_chat_rows_keep_the_conversations_that_fill_whole_micro_batches():
+    from ligertune.bench.step import synthetic_conversations, whole_micro_batches
+    from ligertune.data.packing import pack
+
+    examples = synthetic_conversations(4 * 2 * 512, 512, 300, seed=0)
+    assert len(pack(examples, 512)) % 2 == 1  # as drawn, the last micro-batch would be a lone pack
+    kept, packs = whole_micro_batches(examples, 512, 2)
+    assert len(packs) == len(pack(examples, 512)) - 1 and len(packs) % 2 == 0
+    assert sorted(map(len, kept)) == sorted(n for p in packs for n in p.seq_lens)
+    assert all(e in examples for e in kept)

@@ -189,13 +189,19 @@ def shard(head: nn.Module, decoder_layers: Sequence[nn.Module], *, strategy: str
 
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy()
+    policy = root_policy = MixedPrecisionPolicy()
     if mixed_precision is not None:
-        # Compute in half precision, reduce gradients in float32 over float32 master weights.
+        # Compute in half precision, reduce gradients in float32 into the float32 sharded parameters
+        # (`training.build.fsdp_dtypes`: every trainable one; a LoRA base stays 16-bit, frozen).
         policy = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
+        # The root's floating-point inputs are the loss's token weights: cast to 16 bits they would
+        # weigh each token's loss with a relative error up to 2^-9 (bf16). The layers' inputs are
+        # the 16-bit hidden states, cast as before.
+        root_policy = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32,
+                                           cast_forward_inputs=False)
     for layer in decoder_layers:
         fully_shard(layer, mp_policy=policy)
-    fully_shard(head, mp_policy=policy)
+    fully_shard(head, mp_policy=root_policy)
     for module in head.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

@@ -124,6 +124,7 @@ def build_model(
     vocab_size: int | None,
     attention: str | None = None,
     dtype: torch.dtype | None = None,
+    trainable_dtype: torch.dtype | None = None,
     kernels: bool = True,
     before_adapters: Callable[[nn.Module], None] | None = None,
 ) -> BuiltModel:
@@ -131,8 +132,11 @@ def build_model(
     gradient checkpointing, then wrapped with LoRA adapters when the recipe has `lora`.
 
     `attention` replaces `model.attention` (a benchmark's peers run the model's own sdpa); `dtype`
-    replaces `model.dtype` (float32 master weights under mixed precision); `kernels=False` leaves the model unpatched (`patch_kernels` can patch it later);
-    `before_adapters(model)` runs on the base model before LoRA wraps it (a peer's own patches).
+    replaces `model.dtype` (float32 master weights under mixed precision); `trainable_dtype` is
+    given to the trainable parameters once the adapters are in (`cast_trainable`: float32 adapters
+    over a 16-bit frozen base under FSDP, `fsdp_dtypes`); `kernels=False` leaves the model unpatched
+    (`patch_kernels` can patch it later); `before_adapters(model)` runs on the base model before LoRA
+    wraps it (a peer's own patches).
 
     A quantized base (`model.quantization`, QLoRA) gets what training adapters over it needs: its
     weights frozen and peft's bitsandbytes LoRA layers around the quantized ones (`wrap_lora`), and
@@ -157,7 +161,62 @@ def build_model(
         before_adapters(model)
     if recipe.lora is not None:
         model = wrap_lora(model, recipe.lora, fast=kernels and recipe.kernels.lora)
+    if trainable_dtype is not None:
+        cast_trainable(model, trainable_dtype)
     return BuiltModel(model, dtype, patches)
+
+
+def cast_trainable(model: nn.Module, dtype: torch.dtype) -> None:
+    """Every trainable parameter of `model` in `dtype`, the frozen ones as they are. In place (the
+    same Parameter objects), so that ties, peft's references and the fast LoRA forward still hold."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+
+
+@dataclass(frozen=True)
+class FsdpDtypes:
+    """The dtypes of a run sharded by FSDP2 (`fsdp_dtypes`); None where nothing changes."""
+
+    compute: torch.dtype | None = None
+    """MixedPrecisionPolicy's `param_dtype`: the dtype every weight is gathered in for the forward
+    and backward (`distributed.shard`'s `mixed_precision`); None: no policy."""
+    model: torch.dtype | None = None
+    """The dtype the model is built in (`build_model`'s `dtype`); None: `model.dtype`."""
+    trainable: torch.dtype | None = None
+    """The trainable parameters' dtype (`build_model`'s `trainable_dtype`); None: as built."""
+
+
+def fsdp_dtypes(recipe: Recipe, device_type: str, *, sharded: bool) -> FsdpDtypes:
+    """How a run whose model FSDP2 shards (`sharded`: several processes, `distributed.strategy`
+    fsdp) on CUDA with a 16-bit `model.dtype` holds its weights: FSDP's MixedPrecisionPolicy
+    gathers every weight in that dtype (`compute`) for the forward and backward and reduce-scatters
+    the gradients in float32 into the sharded parameters, which the optimizer steps.
+
+    - Full fine-tuning: the model is built in float32, so the sharded parameters are the float32
+      master weights (the optimizer keeps no copy of its own, `training.precision`).
+    - LoRA: only the trainable parameters need a master. The frozen base is built in the 16-bit
+      dtype: 2 bytes a parameter on each rank's shard instead of 4 (Llama-3.1-8B over 2 GPUs: 8 GB
+      a GPU, not 16), and its all-gathers need no cast. The adapters, `lora.modules_to_save` and any
+      trainable bias are cast to float32 (`trainable`), because FSDP2 requires the trainable
+      parameters of one `fully_shard` group to share one dtype ("FSDP expects uniform original
+      parameter dtype", torch 2.11 and 2.13), while frozen ones may differ; one process's dtypes
+      could mix in a group (peft's float32 adapters beside a 16-bit copy of `lm_head` from
+      `lora.modules_to_save`). Float32 is one dtype for all, the master weights the optimizer would
+      otherwise keep for 16-bit adapters, and the policy gathers them in `compute` like the base:
+      the forward computes 16-bit adapters over a 16-bit base, as one process does with
+      `kernels.lora`, and their gradients reach the float32 shards reduced in float32.
+
+    Otherwise (one process, DDP, a float32 `model.dtype`, the CPU, whose sharded runs keep the
+    weights of `model.dtype` as they are) nothing changes: no policy, and `build_model`'s dtypes.
+    """
+    compute = resolve_dtype(recipe.model.dtype, device_type)
+    if not sharded or device_type != "cuda" or compute == torch.float32:
+        return FsdpDtypes()
+    if recipe.lora is None:
+        return FsdpDtypes(compute=compute, model=torch.float32)
+    return FsdpDtypes(compute=compute, model=compute, trainable=torch.float32)
 
 
 def check_quantized(recipe: Recipe) -> None:

@@ -16,8 +16,10 @@ from transformers import AutoModelForCausalLM
 from ligertune.distributed import split_packs
 from ligertune.numerics import relative_error
 from ligertune.recipe import load_recipe
+from ligertune.training.build import FsdpDtypes, fsdp_dtypes
 from ligertune.training.checkpoint import read_metrics
 from ligertune.training.trainer import cleanup, setup, train_loop
+from distributed_lora_dtypes import one_step
 from distributed_step import MODES, step_gradients
 from tiny_recipe import TINY_MODEL, write_recipe
 
@@ -85,6 +87,55 @@ def test_two_processes_give_the_loss_and_gradients_of_one(tmp_path: Path, settin
         assert grads_one.keys() == grads_two.keys()
         for name, g in grads_one.items():
             assert relative_error(grads_two[name], g) < 1e-5, (mode, name)
+
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+@pytest.mark.parametrize("overrides, device_type, sharded, expected", [
+    pytest.param(["model.dtype=bfloat16"], "cuda", True, FsdpDtypes(BF16, FP32, None), id="full-bf16"),
+    pytest.param(["model.dtype=auto"], "cuda", True, FsdpDtypes(BF16, FP32, None), id="full-auto"),
+    pytest.param(["model.dtype=bfloat16", "lora.r=4"], "cuda", True, FsdpDtypes(BF16, BF16, FP32), id="lora-bf16"),
+    pytest.param(["model.dtype=float16", "lora.r=4", "lora.dropout=0.1", "lora.modules_to_save=[lm_head]",
+                  "kernels.lora=false"], "cuda", True, FsdpDtypes(FP16, FP16, FP32), id="lora-fp16-peft"),
+    pytest.param(["model.dtype=float32", "lora.r=4"], "cuda", True, FsdpDtypes(), id="lora-fp32"),
+    pytest.param(["model.dtype=bfloat16", "lora.r=4"], "cuda", False, FsdpDtypes(), id="lora-one-process-or-ddp"),
+    pytest.param(["model.dtype=bfloat16", "lora.r=4"], "cpu", True, FsdpDtypes(), id="lora-cpu"),
+])
+def test_fsdp_builds_a_lora_base_in_16_bits_and_a_full_model_in_float32(tmp_path: Path, overrides, device_type,
+                                                                       sharded, expected):
+    """(gathered dtype, model dtype, trainable dtype) under FSDP: float32 masters for whatever
+    trains, the frozen LoRA base in the 16-bit compute dtype; nothing changes off CUDA FSDP."""
+    recipe = load_recipe(write_recipe(tmp_path), overrides)
+    assert fsdp_dtypes(recipe, device_type, sharded=sharded) == expected
+
+
+def test_lora_under_fsdp_shards_a_bf16_base_beside_float32_adapters(tmp_path: Path):
+    """LoRA with a bf16 model under FSDP's mixed precision (CUDA's policy, run on 2 CPU processes):
+    every frozen local shard is bf16, every trainable one (adapters, the lm_head copy of
+    `lora.modules_to_save`) float32; the step's loss is one bf16 process's within 1e-5 and its
+    gradients within bf16's rounding (one process accumulates them in bf16, FSDP in float32)."""
+    path = write_recipe(tmp_path, model={"dtype": "bfloat16"}, train={"micro_batch_size": 2, "grad_accum_steps": 2},
+                        lora={"r": 4, "alpha": 8, "modules_to_save": ["lm_head"]})
+    result = torchrun(str(HERE / "distributed_lora_dtypes.py"), str(path), str(tmp_path / "two.pt"),
+                      "train.grad_accum_steps=1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    two = torch.load(tmp_path / "two.pt", weights_only=True)
+    one = one_step(str(path), [], tmp_path / "one")
+    frozen = {name for name, (_, trainable) in two["dtypes"].items() if not trainable}
+    assert {name for name in two["dtypes"] if "lora_" in name or "modules_to_save" in name} == set(two["grads"])
+    assert any("embed_tokens" in name for name in frozen) and any("q_proj.base_layer" in name for name in frozen)
+    for name, (dtype, trainable) in two["dtypes"].items():
+        assert dtype == (torch.float32 if trainable else torch.bfloat16), name
+    # One process: the same model in bf16, adapters and lm_head copy too (kernels.lora).
+    assert {dtype for dtype, _ in one["dtypes"].values()} == {torch.bfloat16}
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    assert one["grads"].keys() == two["grads"].keys()
+    for name, g in one["grads"].items():
+        if g.abs().max() > 0:  # B starts at zero, so A's first gradient is zero everywhere
+            assert relative_error(two["grads"][name], g) < 1e-2, name
+        else:
+            assert two["grads"][name].abs().max() == 0, name
 
 
 def test_two_process_runs_train_save_resume_and_reload_as_one(tmp_path: Path):

@@ -407,7 +407,7 @@ class DistributedConfig:
     strategy: Literal["auto", "fsdp", "ddp"] = _field(
         "auto",
         "`fsdp`: FSDP2 shards every decoder layer and the rest of the model over the processes (bf16 "
-        "compute over float32 weights on CUDA); `ddp`: each process holds the whole model; `auto`: fsdp.",
+        "compute over float32 trained weights on CUDA; a LoRA base stays bf16); `ddp`: each process holds the whole model; `auto`: fsdp.",
     )
     timeout_minutes: float = _field(
         10.0, "How long a collective waits for the other processes before the run fails."

@@ -1,6 +1,7 @@
 """Offloading checkpointed layers' inputs on CUDA (`train.activation_offload`): the copies to pinned
-host memory and back run on a side stream, the step computes exactly what it computes without them,
-and the parked inputs leave the device between the forward and the backward."""
+host memory and back run on a side stream, the step computes what it computes without them (the
+same loss; gradients within the backward's own run-to-run spread), and the parked inputs leave the
+device between the forward and the backward."""
 
 from __future__ import annotations
 
@@ -28,13 +29,23 @@ def checkpointed_model():
     return model, layers
 
 
-def step(model, ids, between=lambda: None):
+def step(model, ids, memory: dict | None = None, name: str = "", offload: InputOffload | None = None):
+    """Loss and gradients of one step; into `memory[name]` the bytes the forward left for the backward."""
+    start = torch.cuda.memory_allocated()
     loss = model(input_ids=ids, labels=ids).loss
-    between()
+    if memory is not None:
+        memory[name] = torch.cuda.memory_allocated() - start
+        if offload is not None:
+            memory["parked"] = offload.parked_bytes
+            memory["pinned"] = all(p.host.is_pinned() for p in offload._parked.values())
     loss.backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     return loss.detach(), grads
+
+
+def flat(grads) -> torch.Tensor:
+    return torch.cat([g.flatten() for g in grads])
 
 
 def test_offload_on_cuda_computes_the_same_and_frees_the_inputs():
@@ -42,23 +53,17 @@ def test_offload_on_cuda_computes_the_same_and_frees_the_inputs():
     ids = torch.randint(0, SMALL_LLAMA["vocab_size"], (2, 2048), device="cuda")
     want_loss, want_grads = step(model, ids)
     memory = {}
-    _, again = step(model, ids, between=lambda: memory.setdefault("kept", torch.cuda.memory_allocated()))
-    # The backward's own run-to-run spread (atomic adds in attention's backward): the bar for offload.
-    spread = relative_error(torch.cat([g.flatten() for g in again]), torch.cat([g.flatten() for g in want_grads]))
+    step(model, ids, memory, "kept")
 
     offload = InputOffload(layers, torch.device("cuda"))
     offload.enabled = True
-
-    def parked():
-        memory["offloaded"] = torch.cuda.memory_allocated()
-        memory["parked"] = offload.parked_bytes
-        memory["pinned"] = all(p.host.is_pinned() for p in offload._parked.values())
-
     for _ in range(2):  # the second step reuses the pinned buffers and the side stream
-        loss, grads = step(model, ids, between=parked)
+        loss, grads = step(model, ids, memory, "offloaded", offload)
         assert torch.equal(loss, want_loss)  # the forward is deterministic
-        error = relative_error(torch.cat([g.flatten() for g in grads]), torch.cat([g.flatten() for g in want_grads]))
-        assert error <= max(4 * spread, 1e-6), (error, spread)
+        # The backward is not (atomic adds): on an H100 two steps without offload, or with its hooks
+        # and nothing parked, differ by up to 2.6e-3, most in layer 0 and the embeddings. An input
+        # restored wrong would change its layer's gradients by O(1).
+        assert relative_error(flat(grads), flat(want_grads)) < 1e-2
     offload.remove()
     one_input = 2 * 2048 * SMALL_LLAMA["hidden_size"] * 2  # bf16
     assert memory["parked"] == (LAYERS - 2) * one_input  # layers 1 .. L-2

@@ -399,10 +399,13 @@ class _StepBench:
         """What the recipe's `gradient_checkpointing` does to the model; for `auto`, the plan the
         trainer would make, on two untimed steps as the trainer makes it on its first two."""
         from ligertune.models import decoder_of
-        from ligertune.training.memory import CheckpointPlanner, device_allocator, set_checkpointed
+        from ligertune.training.memory import CheckpointPlanner, InputOffload, device_allocator, set_checkpointed
 
         cfg = self.recipe.train
         layers = decoder_of(model).layers
+        if cfg.gradient_checkpointing is True and cfg.activation_offload is True:
+            InputOffload(layers, self.device, enabled=True)  # its hooks live as long as the model
+            return "every layer, offloaded"
         if cfg.gradient_checkpointing != "auto":
             return "every layer" if cfg.gradient_checkpointing else "off"
         allocator = device_allocator(self.device)

@@ -149,9 +149,9 @@ class InputOffload:
     last layer's (nothing runs before its backward to fetch it ahead) stay on the device.
     """
 
-    def __init__(self, layers: Sequence[nn.Module], device: torch.device):
+    def __init__(self, layers: Sequence[nn.Module], device: torch.device, *, enabled: bool = False):
         self.layers, self.device = list(layers), device
-        self.enabled = False
+        self.enabled = enabled
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._parked: dict[int, _Parked] = {}
         self._hooks = [layer.register_forward_hook(functools.partial(self._after_forward, i), with_kwargs=True)

@@ -338,9 +338,7 @@ def fixed_offload(run: Run) -> InputOffload | None:
     """`activation_offload: true` where no planner decides: the checkpointed layers' inputs, always."""
     if run.recipe.train.activation_offload is not True or not run.checkpointing:
         return None
-    offload = InputOffload(decoder_of(run.model).layers, run.device)
-    offload.enabled = True
-    return offload
+    return InputOffload(decoder_of(run.model).layers, run.device, enabled=True)
 
 
 def checkpointed_layers(policy: CheckpointPlanner | int) -> int:

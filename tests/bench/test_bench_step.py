@@ -227,3 +227,13 @@ def test_chat_rows_keep_the_conversations_that_fill_whole_micro_batches():
     assert len(packs) == len(pack(examples, 512)) - 1 and len(packs) % 2 == 0
     assert sorted(map(len, kept)) == sorted(n for p in packs for n in p.seq_lens)
     assert all(e in examples for e in kept)
+
+
+def test_bench_step_offloads_as_the_recipe_says(recipe_file, tmp_path, no_peers):
+    out = tmp_path / "step.json"
+    args = ["step", str(recipe_file), "--steps", "1", "--warmup", "0", "--no-chat", "--no-peers",
+            "--set", "train.activation_offload=true", "--json", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["name"], r["checkpointing"]) for r in rows] == [("ligertune", "every layer, offloaded")]

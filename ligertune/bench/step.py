@@ -384,7 +384,7 @@ class _StepBench:
                 out.loss.backward()
                 self._finish_step(optimizer, params)
 
-            checkpointing = self._plan_checkpointing(model, step)
+            checkpointing = self._plan_checkpointing(model, step, optimizer)
             seq_lens = [ids.shape[1]] * ids.shape[0]
             rows = [self._time(LIGERTUNE, "synthetic", [step], ids.numel(), seq_lens, model)]
             rows[0].checkpointing = checkpointing
@@ -395,7 +395,7 @@ class _StepBench:
         finally:
             unpatch_model(model)
 
-    def _plan_checkpointing(self, model, step: Callable[[], None]) -> str:
+    def _plan_checkpointing(self, model, step: Callable[[], None], optimizer) -> str:
         """What the recipe's `gradient_checkpointing` does to the model; for `auto`, the plan the
         trainer would make, on two untimed steps as the trainer makes it on its first two."""
         from ligertune.models import decoder_of
@@ -413,7 +413,8 @@ class _StepBench:
             set_checkpointed(layers, 0)
             return f"auto: 0 of {len(layers)} layers"
         budget = cfg.memory_budget_gib or 0.9 * torch.cuda.get_device_properties(self.device).total_memory / 2**30
-        planner = CheckpointPlanner(model, layers, allocator, budget, offload=cfg.activation_offload)
+        planner = CheckpointPlanner(model, layers, allocator, budget, offload=cfg.activation_offload,
+                                    optimizer=optimizer)
         for _ in range(2):  # measured, then checked against the plan
             with planner.planning():
                 step()

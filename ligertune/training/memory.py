@@ -9,31 +9,35 @@ at about
 
 where P_1 is the measured peak of a step with one layer un-checkpointed (weights, gradients, the
 loss head, one recomputed layer, the workspace of every kernel) and S the optimizer state that the
-first update allocates (0 when resuming: the state is there already). `auto` leaves the largest k
-with P(k) <= `train.memory_budget_gib` un-checkpointed, and recomputes the first L - k layers.
+first update allocates (0 when resuming: the state is there already). The update itself (the
+optimizer's temporaries over weights, gradients and state) peaks at U whatever k is, so the step
+peaks at max(P(k), U). `auto` leaves the largest k with max(P(k), U) <= `train.memory_budget_gib`
+un-checkpointed, and recomputes the first L - k layers.
 
 Everything is measured on the run's first step, itself an ordinary training step (checkpointing
 changes where activations live, not what is computed): A by counting the bytes autograd saves inside
 the un-checkpointed layer (parameters excluded, each storage once), C as the bytes of that layer's
-input, P_1 and S from the device's allocator. The decoder layers of one model are alike, so one
-layer's A stands for all of them.
+input, P_1, S and U from the device's allocator (the step split at the optimizer's step). The
+decoder layers of one model are alike, so one layer's A stands for all of them.
 
 Two refinements:
 
 - Offload (`train.activation_offload`): the inputs of checkpointed layers 1 .. L-2 are parked in
   pinned host memory after their forward and copied back one layer ahead of their recompute, on a
-  side stream overlapped with compute (`InputOffload`). With p parked layers the peak falls by
-  (p - 1) C (one input is on its way back while another is in use):
+  side stream overlapped with compute (`InputOffload`). With p parked layers the forward and
+  backward peak falls by (p - 1) C (one input is on its way back while another is in use):
 
       P(k) = P_1 + S + (k - 1) (A - C) - (p(k) - 1) C,   p(k) = L - k - 1  (k >= 1; L - 2 for k = 0)
 
-  `auto` offloads where that leaves more layers un-checkpointed than keeping the inputs would.
-- Calibration: the plan's step (the second) is measured too, and where its peak differs from P(k)
-  the model is moved by the difference (P_1 + S becomes P_1 + S + measured - P(k)) and the plan
-  made once more. The slope A - C stays: autograd's saved bytes are an upper bound on what a kept
-  layer adds at the peak (some are freed before it), so from the measured point the model errs on
-  the safe side. The intercept cannot be measured once for all k: with one layer kept the step
-  peaks inside the backward, with many at the end of the forward.
+  and U does not change. `auto` offloads where that leaves more layers un-checkpointed than keeping
+  the inputs would.
+- Calibration: the plan's step (the second) is measured too. Where its forward and backward peak
+  differs from P(k), the model is moved by the difference (P_1 + S becomes P_1 + S + measured -
+  P(k)), U is taken as measured, and the plan made once more. The slope A - C stays: autograd's
+  saved bytes are an upper bound on what a kept layer adds at the peak (some are freed before it),
+  so from the measured point the model errs on the safe side. The intercept cannot be measured
+  once for all k: with one layer kept the step peaks inside the backward, with many at the end of
+  the forward.
 """
 
 from __future__ import annotations
@@ -55,13 +59,13 @@ def parked_layers(layers: int, checkpointed: int) -> int:
 
 
 def predicted_peak(*, layers: int, checkpointed: int, offload: bool, activation: int,
-                   checkpointed_input: int, step_peak: int) -> int:
+                   checkpointed_input: int, step_peak: int, update_peak: int = 0) -> int:
     """P(k) of the module docstring, k = layers - checkpointed (bytes)."""
     kept = layers - checkpointed
     peak = step_peak + (kept - 1) * (activation - checkpointed_input)
     if offload:
         peak -= max(parked_layers(layers, checkpointed) - 1, 0) * checkpointed_input
-    return peak
+    return max(peak, update_peak)
 
 
 @dataclass(frozen=True)
@@ -76,13 +80,14 @@ class CheckpointPlan:
     activation_gib: float  # A: one layer's saved activations, not checkpointed
     input_gib: float  # C: what a checkpointed layer keeps (its input)
     step_peak_gib: float  # P_1 + S
+    update_peak_gib: float  # U
     fits: bool  # False: even with every layer recomputed (and offloaded) the step needs more
 
     @property
     def predicted_peak_gib(self) -> float:
         return predicted_peak(layers=self.layers, checkpointed=self.checkpointed, offload=self.offload,
                               activation=self.activation_gib, checkpointed_input=self.input_gib,
-                              step_peak=self.step_peak_gib)
+                              step_peak=self.step_peak_gib, update_peak=self.update_peak_gib)
 
     def describe(self) -> str:
         return f"gradient checkpointing (auto, {self.budget_gib:g} GiB budget): {self.summary()}"
@@ -99,7 +104,7 @@ class CheckpointPlan:
 
 
 def plan_checkpointing(*, layers: int, activation: int, checkpointed_input: int, step_peak: int,
-                       budget: int, offload: bool | str = False) -> tuple[int, bool, bool]:
+                       budget: int, offload: bool | str = False, update_peak: int = 0) -> tuple[int, bool, bool]:
     """(layers to recompute, whether their inputs are offloaded, whether the step fits the budget),
     by the module docstring's P(k); all sizes in bytes. `step_peak` is P_1 + S, measured with one
     layer not checkpointed and no offload. `offload`: False, True, or "auto" (offload where it
@@ -108,7 +113,8 @@ def plan_checkpointing(*, layers: int, activation: int, checkpointed_input: int,
     def fewest(offloaded: bool) -> int | None:
         for count in range(layers + 1):
             if predicted_peak(layers=layers, checkpointed=count, offload=offloaded, activation=activation,
-                              checkpointed_input=checkpointed_input, step_peak=step_peak) <= budget:
+                              checkpointed_input=checkpointed_input, step_peak=step_peak,
+                              update_peak=update_peak) <= budget:
                 return count
         return None
 
@@ -301,12 +307,17 @@ def device_allocator(device: torch.device) -> CudaAllocator | None:
 
 class CheckpointPlanner:
     """Measures the run's first step and sets which layers are recomputed (and whether their inputs
-    are offloaded), then corrects the plan once from the second step's peak (module docstring)."""
+    are offloaded), then corrects the plan once from the second step's peak (module docstring).
+
+    With the `optimizer`, each measured step is split at its update (a step pre-hook): the peak of
+    forward and backward, which the layers' activations make, apart from the update's, which they
+    do not (the optimizer's temporaries over weights, gradients and state: at 1B full fine-tuning on
+    an H100 it is the step's peak with nearly every layer recomputed)."""
 
     def __init__(self, model: nn.Module, layers: Sequence[nn.Module], allocator: CudaAllocator, budget_gib: float,
-                 offload: bool | str = "auto"):
+                 offload: bool | str = "auto", optimizer: torch.optim.Optimizer | None = None):
         self.model, self.layers, self.allocator, self.budget_gib = model, list(layers), allocator, budget_gib
-        self.offload = offload
+        self.offload, self.optimizer = offload, optimizer
         self.offloader = InputOffload(self.layers, self.allocator_device) if offload else None
         self.plan: CheckpointPlan | None = None
         self.news: str | None = None  # a line for the user after `planning()` changed the plan
@@ -328,40 +339,65 @@ class CheckpointPlanner:
             yield
 
     @contextlib.contextmanager
+    def _peaks(self) -> Iterator[list[int]]:
+        """[peak of forward and backward, peak of the update (0 if not seen)] of the step inside."""
+        peaks: list[int] = []
+
+        def before_update(*_):
+            peaks.append(self.allocator.peak())
+            self.allocator.reset_peak()
+
+        hook = self.optimizer.register_step_pre_hook(before_update) if self.optimizer is not None else None
+        self.allocator.reset_peak()
+        try:
+            yield peaks
+        finally:
+            if hook is not None:
+                hook.remove()
+        peaks.append(self.allocator.peak())
+        if len(peaks) == 1:  # no update seen: the whole step counts as forward and backward
+            peaks.append(0)
+        peaks[:] = [peaks[0], max(peaks[1:])]
+
+    @contextlib.contextmanager
     def measuring(self) -> Iterator[None]:
         """Around the first training step: one layer un-checkpointed, its saved bytes counted, the
-        allocator's peak taken; the plan is made and applied when the step is done. With several
+        allocator's peaks taken; the plan is made and applied when the step is done. With several
         processes, each measures and all take the largest figures, so that they make one plan."""
         set_checkpointed(self.layers, len(self.layers))
         self.layers[-1].gradient_checkpointing = False
         if self.offloader is not None:
             self.offloader.enabled = False
         saved = SavedBytes(self.layers[-1], self.model.parameters())
-        self.allocator.reset_peak()
         before = self.allocator.allocated()
-        with saved.counting():
+        with saved.counting(), self._peaks() as peaks:
             yield
         state = max(self.allocator.allocated() - before, 0)  # what the first update allocated
-        activation, checkpointed_input, step_peak = self._largest(
-            [saved.activation, saved.input, self.allocator.peak() + state])
-        self.apply(activation=activation, checkpointed_input=checkpointed_input, step_peak=step_peak)
+        activation, checkpointed_input, step_peak, update_peak = self._largest(
+            [saved.activation, saved.input, peaks[0] + state, peaks[1]])
+        self.apply(activation=activation, checkpointed_input=checkpointed_input, step_peak=step_peak,
+                   update_peak=update_peak)
 
     @contextlib.contextmanager
     def calibrating(self) -> Iterator[None]:
-        """Around the second step, the first run as planned: the model is moved to pass through its
-        measured peak, and the plan made again (once)."""
-        self.allocator.reset_peak()
-        yield
+        """Around the second step, the first run as planned: the model of forward and backward is
+        moved to pass through their measured peak, the update's peak taken as measured, and the
+        plan made again (once)."""
+        with self._peaks() as peaks:
+            yield
         self._calibrated = True
-        (measured,) = self._largest([self.allocator.peak()])
+        measured, update_peak = self._largest(peaks)
         plan, figures = self.plan, self._figures
-        predicted = round(plan.predicted_peak_gib * GIB)
+        predicted = predicted_peak(layers=plan.layers, checkpointed=plan.checkpointed, offload=plan.offload,
+                                   activation=figures["activation"], checkpointed_input=figures["checkpointed_input"],
+                                   step_peak=figures["step_peak"])
         before = plan.checkpointed, plan.offload
         plan = self.apply(activation=figures["activation"], checkpointed_input=figures["checkpointed_input"],
-                          step_peak=figures["step_peak"] + measured - predicted)
+                          step_peak=figures["step_peak"] + measured - predicted,
+                          update_peak=update_peak if update_peak else figures["update_peak"])
         if (plan.checkpointed, plan.offload) != before:
-            self.news = (f"gradient checkpointing re-planned from step peak {measured / GIB:.1f} GiB "
-                         f"(predicted {predicted / GIB:.1f}): {plan.summary()}")
+            self.news = (f"gradient checkpointing re-planned from step 2 (forward and backward peaked at "
+                         f"{measured / GIB:.1f} GiB, predicted {predicted / GIB:.1f}): {plan.summary()}")
 
     def _largest(self, figures: list[int]) -> list[int]:
         """The figures' maxima over the processes (the figures themselves with one)."""
@@ -375,17 +411,18 @@ class CheckpointPlanner:
     def allocator_device(self) -> torch.device:
         return getattr(self.allocator, "device", torch.device("cpu"))
 
-    def apply(self, *, activation: int, checkpointed_input: int, step_peak: int) -> CheckpointPlan:
-        self._figures = dict(activation=activation, checkpointed_input=checkpointed_input, step_peak=step_peak)
+    def apply(self, *, activation: int, checkpointed_input: int, step_peak: int, update_peak: int = 0) -> CheckpointPlan:
+        self._figures = {"activation": activation, "checkpointed_input": checkpointed_input,
+                         "step_peak": step_peak, "update_peak": update_peak}
         count, offload, fits = plan_checkpointing(
             layers=len(self.layers), activation=activation, checkpointed_input=checkpointed_input,
-            step_peak=step_peak, budget=int(self.budget_gib * GIB), offload=self.offload)
+            step_peak=step_peak, budget=int(self.budget_gib * GIB), offload=self.offload, update_peak=update_peak)
         set_checkpointed(self.layers, count)
         if self.offloader is not None:
             self.offloader.enabled = offload
         self.plan = CheckpointPlan(
             layers=len(self.layers), checkpointed=count, offload=offload, budget_gib=self.budget_gib,
             activation_gib=activation / GIB, input_gib=checkpointed_input / GIB, step_peak_gib=step_peak / GIB,
-            fits=fits,
+            update_peak_gib=update_peak / GIB, fits=fits,
         )
         return self.plan

@@ -331,7 +331,8 @@ def checkpointing_policy(run: Run) -> CheckpointPlanner | int | None:
     budget = cfg.memory_budget_gib
     if budget is None:
         budget = 0.9 * torch.cuda.get_device_properties(run.device).total_memory / 2**30
-    return CheckpointPlanner(run.model, layers, allocator, budget, offload=cfg.activation_offload)
+    return CheckpointPlanner(run.model, layers, allocator, budget, offload=cfg.activation_offload,
+                             optimizer=run.optimizer)
 
 
 def fixed_offload(run: Run) -> InputOffload | None:

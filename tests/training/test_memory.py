@@ -173,10 +173,38 @@ def test_the_second_step_corrects_the_plan():
     assert planner.plan.checkpointed == 4
     assert planner.plan.predicted_peak_gib * GIB == pytest.approx(700 + 90)
     assert [layer.gradient_checkpointing for layer in layers] == [True] * 4 + [False] * 6
-    assert planner.news.startswith("gradient checkpointing re-planned from step peak")
+    assert planner.news.startswith("gradient checkpointing re-planned from step 2 (forward and backward "
+                                   "peaked at 0.0 GiB, predicted 0.0)")
     with planner.planning():  # later steps change nothing
         pass
     assert planner.plan.checkpointed == 4
+
+
+@pytest.mark.parametrize("budget, want", [
+    (860, (5, False, True)),  # P(5 kept) = 860 over U = 800
+    (810, (6, False, True)),  # P(4 kept) = 770, but U = 800 sets the peak
+    (799, (10, False, False)),  # below the update's peak nothing fits
+])
+def test_the_update_peak_bounds_the_plan(budget, want):
+    assert plan_checkpointing(layers=10, activation=100, checkpointed_input=10, step_peak=500, budget=budget,
+                              update_peak=800) == want
+
+
+def test_the_planner_measures_the_update_apart():
+    model = tiny_llama(layers=10)
+    weight = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    # forward and backward peak at 500, the update at 800 (then 510 and 790 on the second step)
+    planner = CheckpointPlanner(model, decoder_of(model).layers, StepAllocator([500, 800, 510, 790]),
+                                budget_gib=860 / GIB, offload=False, optimizer=optimizer)
+    with planner.planning():
+        weight.grad = torch.ones(1)
+        optimizer.step()
+    plan = planner.plan
+    assert (plan.step_peak_gib * GIB, plan.update_peak_gib * GIB) == (pytest.approx(500), pytest.approx(800))
+    with planner.planning():
+        optimizer.step()
+    assert planner.plan.update_peak_gib * GIB == pytest.approx(790)
 
 
 class FakeAllocator:

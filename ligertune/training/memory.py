@@ -323,6 +323,7 @@ class CheckpointPlanner:
         self.news: str | None = None  # a line for the user after `planning()` changed the plan
         self._figures: dict[str, int] = {}
         self._calibrated = False
+        self.peak_seen = 0  # the highest peak of the steps it measured (it resets the allocator's)
 
     @contextlib.contextmanager
     def planning(self) -> Iterator[None]:
@@ -358,6 +359,7 @@ class CheckpointPlanner:
         if len(peaks) == 1:  # no update seen: the whole step counts as forward and backward
             peaks.append(0)
         peaks[:] = [peaks[0], max(peaks[1:])]
+        self.peak_seen = max(self.peak_seen, *peaks)
 
     @contextlib.contextmanager
     def measuring(self) -> Iterator[None]:

@@ -578,7 +578,7 @@ def log(run: Run, stats: StepStats) -> dict | None:
         "clipped": stats.clipped > 0,
         "tokens_per_s": rates.tokens_per_s,
         "trained_tokens_per_s": rates.trained_tokens_per_s,
-        "peak_mem_gib": peak_memory_gib(run.device),
+        "peak_mem_gib": run_peak_memory_gib(run),
     }
     if rates.mfu is not None:
         record["mfu"] = rates.mfu
@@ -875,6 +875,13 @@ def without_targets(pack: Pack) -> Pack:
 # the end of a run
 
 
+def run_peak_memory_gib(run: Run) -> float:
+    """The run's peak so far: the device's, and the planner's of the steps it measured (it resets
+    the device's counter to measure them)."""
+    planned = run.checkpointing.peak_seen / 2**30 if isinstance(run.checkpointing, CheckpointPlanner) else 0.0
+    return max(peak_memory_gib(run.device), planned)
+
+
 def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -925,7 +932,7 @@ def show_summary(run: Run, result: TrainResult) -> None:
     if result.eval_losses:
         first, last = result.eval_losses[0][1], result.eval_losses[-1][1]
         rows.append(("eval loss", f"{first:.4f} -> {last:.4f} ({last / first:.0%} of the first)"))
-    rows.append(("peak memory", f"{peak_memory_gib(run.device):.2f} GiB"))
+    rows.append(("peak memory", f"{run_peak_memory_gib(run):.2f} GiB"))
     rows.append(("output", str(result.final_dir)))
     run.console.print(summary_table(rows))
     if result.sample:

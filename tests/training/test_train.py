@@ -135,3 +135,30 @@ def test_a_run_sends_its_metrics_to_tensorboard_and_draws_its_loss(tmp_path: Pat
     losses = [e.value for e in events.Scalars("train/loss")]
     records = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
     assert losses == pytest.approx(records)
+
+
+def test_the_next_steps_batches_are_made_ahead_from_the_same_position(tiny_recipe: Path):
+    """`prefetch_batches` makes the next step's micro-batches without moving the data position;
+    `next_batches` takes them where it starts from that position, and makes its own elsewhere."""
+    from ligertune.training.trainer import next_batches, prefetch_batches
+
+    def ids(batches):
+        return [b.input_ids.tolist() for b in batches]
+
+    plain = setup(load_recipe(tiny_recipe, [f"output.dir={tiny_recipe.parent / 'plain'}"]), Console(quiet=True))
+    ahead = setup(load_recipe(tiny_recipe, [f"output.dir={tiny_recipe.parent / 'ahead'}"]), Console(quiet=True))
+    try:
+        want = [ids(next_batches(plain)) for _ in range(3)]
+        assert ids(next_batches(ahead)) == want[0]
+        prefetch_batches(ahead)
+        position = (ahead.state.epoch, ahead.state.index)
+        made = ahead.prefetched[1]
+        assert (ahead.state.epoch, ahead.state.index) == position  # not moved
+        taken = next_batches(ahead)
+        assert taken is made and ids(taken) == want[1]
+        prefetch_batches(ahead)
+        ahead.state.index += 1  # elsewhere now: the batches made ahead do not apply
+        assert ids(next_batches(ahead)) != want[2] and ahead.prefetched is None
+    finally:
+        cleanup(plain)
+        cleanup(ahead)

@@ -463,10 +463,12 @@ def summary(report: dict) -> list[str]:
         lines.append(f"scaling  {'PASS' if part['pass'] else 'FAIL'}  "
                      + ", ".join(f"{r['processes']}: {fmt(r['tokens_per_s'], ',.0f')} tokens/s"
                                  + ("" if r["processes"] == 1 else f" (efficiency {fmt(r['efficiency'], '.3f')})")
+                                 + ("" if r["complete"] else f" [exit {r['exit_code']}, {r['steps']} steps]")
                                  for r in part["runs"]))
     if "fsdp" in report:
         part, run = report["fsdp"], report["fsdp"]["run"]
-        lines.append(f"fsdp     {'PASS' if run['complete'] else 'FAIL'}  {part['processes']} processes: "
+        lines.append(f"fsdp     {'PASS' if run['complete'] else 'FAIL'}  {part['processes']} processes"
+                     + ("" if run["complete"] else f" [exit {run['exit_code']}, {run['steps']} steps]") + ": "
                      f"{fmt(run['tokens_per_s'], ',.0f')} tokens/s, MFU {percent(run['mfu'])}, "
                      f"peak {fmt(run['peak_mem_gib'], '.2f', ' GiB')} per GPU")
         resume = part["resume"]

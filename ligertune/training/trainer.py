@@ -48,6 +48,7 @@ from ligertune.distributed import (
     accumulating,
     all_reduce_max,
     all_reduce_sum,
+    barrier,
     destroy_process_group,
     gather_objects,
     init_process_group,
@@ -225,7 +226,12 @@ def train(
             run.resume_command = resume_command
         try:
             with StopSignals() as stop:
-                return train_loop(run, stop)
+                result = train_loop(run, stop)
+            # Every rank past its last collective: the communication threads have let go of the
+            # collectives' tensors before the process exits. (With gloo, a thread still releasing
+            # one while Python shuts down aborts the finished process.)
+            barrier()
+            return result
         finally:
             cleanup(run)
     finally:

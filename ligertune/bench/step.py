@@ -399,12 +399,11 @@ class _StepBench:
         """What the recipe's `gradient_checkpointing` does to the model; for `auto`, the plan the
         trainer would make, on two untimed steps as the trainer makes it on its first two."""
         from ligertune.models import decoder_of
-        from ligertune.training.memory import CheckpointPlanner, InputOffload, device_allocator, set_checkpointed
+        from ligertune.training.memory import CheckpointPlanner, device_allocator, fixed_offload, set_checkpointed
 
         cfg = self.recipe.train
         layers = decoder_of(model).layers
-        if cfg.gradient_checkpointing is True and cfg.activation_offload is True:
-            InputOffload(layers, self.device, enabled=True)  # its hooks live as long as the model
+        if fixed_offload(cfg, layers, self.device):  # its hooks live as long as the model
             return "every layer, offloaded"
         if cfg.gradient_checkpointing != "auto":
             return "every layer" if cfg.gradient_checkpointing else "off"
@@ -418,9 +417,8 @@ class _StepBench:
         for _ in range(2):  # measured, then checked against the plan
             with planner.planning():
                 step()
-            if planner.news:
-                self.log(planner.news)
-                planner.news = None
+            if news := planner.pop_news():
+                self.log(news)
         plan = planner.plan
         offloaded = ", offloaded" if plan.offload else ""
         return (f"auto: {plan.checkpointed} of {len(layers)} layers{offloaded} "
@@ -577,13 +575,13 @@ def whole_micro_batches(examples: list, max_seq_len: int, micro_batch_size: int)
     """(the conversations, their packs) that fill whole micro-batches: packing leaves the last pack
     partly filled where the conversations overflow, and a micro-batch of it would cost a whole one's
     fixed work for a few tokens (8% of a pass for a 1B model on an H100), which the trainer never
-    pays (it carries packs over into the next epoch). Its conversations are left out."""
+    pays (it carries packs over into the next epoch). Its conversations are left out (the packs'
+    `example_indices` still count in `examples`)."""
     from ligertune.data.packing import pack
 
     packs = pack(examples, max_seq_len)
     packs = packs[: max(len(packs) // micro_batch_size, 1) * micro_batch_size]
-    kept = [examples[i] for p in packs for i in p.example_indices]
-    return kept, pack(kept, max_seq_len)
+    return [examples[i] for p in packs for i in p.example_indices], packs
 
 
 def padded_groups(lengths: list[int], budget: int) -> list[list[int]]:

@@ -239,6 +239,14 @@ class InputOffload:
                 parked.ready.record(self.stream)
 
 
+def fixed_offload(cfg, layers: Sequence[nn.Module], device: torch.device) -> InputOffload | None:
+    """`activation_offload: true` with `gradient_checkpointing: true`: every checkpointed layer's
+    input, always (under `auto` the planner decides; `CheckpointPlanner.offloader`)."""
+    if cfg.gradient_checkpointing is True and cfg.activation_offload is True:
+        return InputOffload(layers, device, enabled=True)
+    return None
+
+
 class SavedBytes:
     """Counts the bytes autograd saves for backward while inside `layer`: each storage once, the
     parameters (saved by reference, not new memory) left out."""
@@ -320,7 +328,7 @@ class CheckpointPlanner:
         self.offload, self.optimizer = offload, optimizer
         self.offloader = InputOffload(self.layers, self.allocator_device) if offload else None
         self.plan: CheckpointPlan | None = None
-        self.news: str | None = None  # a line for the user after `planning()` changed the plan
+        self.news: str | None = None  # a line for the user after `planning()` changed the plan (`pop_news`)
         self._figures: dict[str, int] = {}
         self._calibrated = False
         self.peak_seen = 0  # the highest peak of the steps it measured (it resets the allocator's)
@@ -338,6 +346,11 @@ class CheckpointPlanner:
                 yield
         else:
             yield
+
+    def pop_news(self) -> str | None:
+        """The line for the user that the last step left, once."""
+        news, self.news = self.news, None
+        return news
 
     @contextlib.contextmanager
     def _peaks(self) -> Iterator[list[int]]:

@@ -92,7 +92,13 @@ from ligertune.training.checkpoint import (
 from ligertune.training.clipping import clip_gradients
 from ligertune.training.display import TrainProgress, sample_table, summary_table
 from ligertune.training.loss_weights import step_token_weights
-from ligertune.training.memory import CheckpointPlanner, InputOffload, device_allocator, set_checkpointed
+from ligertune.training.memory import (
+    CheckpointPlanner,
+    InputOffload,
+    device_allocator,
+    fixed_offload,
+    set_checkpointed,
+)
 from ligertune.training.precision import optimizer_memory
 from ligertune.training.reporters import Reporters, open_reporters
 from ligertune.training.resume import check_resumable, find_checkpoint, load_model_weights
@@ -317,8 +323,8 @@ def setup(recipe: Recipe, console: Console, *, resume: str | Path | None = None,
         reporters=reporters, spikes=spikes,
     )
     run.checkpointing = checkpointing_policy(run)
-    run.offload = run.checkpointing.offloader if isinstance(run.checkpointing, CheckpointPlanner) else (
-        fixed_offload(run))
+    run.offload = (run.checkpointing.offloader if isinstance(run.checkpointing, CheckpointPlanner)
+                   else fixed_offload(recipe.train, decoder_of(run.model).layers, device))
     describe_run(run, mixed_precision or built.dtype, built.patches.describe() if built.patches else "none")
     if checkpoint is not None:
         restore(run, checkpoint, saved)
@@ -342,13 +348,6 @@ def checkpointing_policy(run: Run) -> CheckpointPlanner | int | None:
         budget = 0.9 * torch.cuda.get_device_properties(run.device).total_memory / 2**30
     return CheckpointPlanner(run.model, layers, allocator, budget, offload=cfg.activation_offload,
                              optimizer=run.optimizer)
-
-
-def fixed_offload(run: Run) -> InputOffload | None:
-    """`activation_offload: true` where no planner decides: the checkpointed layers' inputs, always."""
-    if run.recipe.train.activation_offload is not True or not run.checkpointing:
-        return None
-    return InputOffload(decoder_of(run.model).layers, run.device, enabled=True)
 
 
 def checkpointed_layers(policy: CheckpointPlanner | int) -> int:
@@ -472,9 +471,8 @@ def train_loop(run: Run, stop: StopSignals | None = None) -> TrainResult:
             planner = run.checkpointing if isinstance(run.checkpointing, CheckpointPlanner) else None
             with planner.planning() if planner else contextlib.nullcontext():
                 stats = train_step(run, next_batches(run))
-            if planner and planner.news:
-                run.console.print(planner.news, markup=False)
-                planner.news = None
+            if planner and (news := planner.pop_news()):
+                run.console.print(news, markup=False)
             record = log(run, stats)
             result = maybe_evaluate(run, progress)
             if record is not None and result is not None:
@@ -501,7 +499,7 @@ def next_batches(run: Run) -> list[Batch | PaddedBatch]:
     """This rank's micro-batches of the next step, on the device: the step's packs are the next
     `packs_per_step` of the stream, dealt to the ranks balanced by tokens. Those that
     `prefetch_batches` made for the same data position are taken as they are."""
-    position = (run.stream, run.state.epoch, run.state.index)
+    position = data_position(run)
     packs = run.stream.take(run.state, packs_per_step(run.recipe.train, run.topology.world_size))
     run.step_packs = packs
     prefetched, run.prefetched = run.prefetched, None
@@ -515,9 +513,14 @@ def prefetch_batches(run: Run) -> None:
     device still runs this step. Left for after the step's loss is read back, the collation would
     leave the device idle (11 ms a step for 4 x 4096 tokens on an H100's host, 3% of a 1B model's
     step). The run's data position does not move: `next_batches` takes them from the same one."""
-    position = RunState(epoch=run.state.epoch, index=run.state.index)
-    packs = run.stream.take(position, packs_per_step(run.recipe.train, run.topology.world_size))
-    run.prefetched = ((run.stream, run.state.epoch, run.state.index), rank_batches(run, packs))
+    ahead = RunState(epoch=run.state.epoch, index=run.state.index)  # a copy: the run's does not move
+    packs = run.stream.take(ahead, packs_per_step(run.recipe.train, run.topology.world_size))
+    run.prefetched = (data_position(run), rank_batches(run, packs))
+
+
+def data_position(run: Run) -> tuple:
+    """Where the next step's packs start: the stream, the epoch and the index in its order."""
+    return run.stream, run.state.epoch, run.state.index
 
 
 def rank_batches(run: Run, packs: list[Pack]) -> list[Batch | PaddedBatch]:

@@ -399,7 +399,12 @@ class _StepBench:
         """What the recipe's `gradient_checkpointing` does to the model; for `auto`, the plan the
         trainer would make, on two untimed steps as the trainer makes it on its first two."""
         from ligertune.models import decoder_of
-        from ligertune.training.memory import CheckpointPlanner, device_allocator, fixed_offload, set_checkpointed
+        from ligertune.training.memory import (
+            CheckpointPlanner,
+            device_allocator,
+            fixed_offload,
+            set_checkpointed,
+        )
 
         cfg = self.recipe.train
         layers = decoder_of(model).layers

@@ -1,4 +1,7 @@
-"""Attention alone, forward + backward, at the shapes of a training step: which kernel for packed rows?
+"""Measures attention alone, forward + backward, at a training step's shapes: which kernel for packed rows?
+
+Findings: docs/PERF.md, "Attention for packed rows" and "Attention alone: varlen FlashAttention
+against SDPA".
 
 Two layouts of 4 x 4096 tokens in one flattened row, bf16, Hq 32, Hk 8, D 64 (Llama-3.2-1B):
 "equal" (four sequences of 4096, bench step's synthetic batch) and "chat" (the first micro-batch of
@@ -15,7 +18,7 @@ bench step's synthetic chat conversations, packed best-fit). Variants, on the sa
 Each is checked against the float32 per-sequence reference (output and the three gradients, relative
 error); a variant that fails or is wrong says so in its row. Usage (CUDA only):
 
-    python3 scripts/bench_attention.py
+    python3 scripts/probes/attention.py
 """
 
 from __future__ import annotations

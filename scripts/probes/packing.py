@@ -1,7 +1,9 @@
-"""Time best-fit-decreasing packing of many conversation lengths (target: 1M lengths in under 10 s).
+"""Measures best-fit-decreasing packing of many conversation lengths (target: 1M lengths in under 10 s).
 
-    python scripts/bench_packing.py                       # 1M lengths, max_seq_len 2048, three mixes
-    python scripts/bench_packing.py --n 200000 --max-seq-len 8192 --full
+Findings: docs/data.md, "Packing" (the time and the packing efficiency of a million chat-like lengths).
+
+    python scripts/probes/packing.py                      # 1M lengths, max_seq_len 2048, three mixes
+    python scripts/probes/packing.py --n 200000 --max-seq-len 8192 --full
 
 Length mixes: `chat` is log-normal (median ~300 tokens, long tail) like multi-turn chat data,
 `short` has mostly short exchanges (median ~90), `uniform` is uniform on [8, max_seq_len], the

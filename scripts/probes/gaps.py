@@ -1,6 +1,9 @@
-"""Where the trainer's loop leaves the GPU idle (a GPU).
+"""Measures where the trainer's loop leaves the GPU idle (a GPU).
 
-    python3 scripts/probe_gaps.py [RECIPE]   # (recipes/bench/llama-3.2-1b.yaml)
+Findings: docs/PERF.md, "Bench's chat rows and the trainer, again" (the device's idle gaps, and what
+the prefetch of the next step's batches bought).
+
+    python3 scripts/probes/gaps.py [RECIPE]   # (recipes/bench/llama-3.2-1b.yaml)
 
 Runs `ligertune train`'s own step functions (`next_batches`, `train_step`, `log`) on the long shape
 of scripts/train_vs_bench.py (every pack one `max_seq_len`-token conversation) and prints:
@@ -31,7 +34,7 @@ from ligertune.training.build import packs_per_step
 from ligertune.training.state import PackStream
 from ligertune.training.trainer import cleanup, log, next_batches, setup, train_step
 
-RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "bench" / "llama-3.2-1b.yaml"
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "bench" / "llama-3.2-1b.yaml"
 
 
 def median_ms(samples: dict[str, list[float]]) -> dict[str, float]:

@@ -1,7 +1,10 @@
-"""Where a training step's time and memory go, ligertune next to HF + Liger; and the loss's chunk budget.
+"""Measures where a training step's time and memory go (ligertune, HF + Liger) and the loss's chunk budget.
 
-    python3 scripts/probe_step.py step [RECIPE]  # (recipes/bench/llama-3.2-1b.yaml) one step of each variant
-    python3 scripts/probe_step.py chunks   # fused loss, forward + backward, at several chunk budgets
+Findings: docs/PERF.md, "Where the step goes" (under "One training step") and "Low-memory chunk
+budget" (under "Fused linear cross-entropy").
+
+    python3 scripts/probes/step.py step [RECIPE]  # (recipes/bench/llama-3.2-1b.yaml) one step of each variant
+    python3 scripts/probes/step.py chunks   # fused loss, forward + backward, at several chunk budgets
 
 `step` runs `bench step`'s variants (ligertune, HF, HF + Liger when importable) and, after two
 warm-up steps of each, one more step under the profiler and one under the allocator's history:
@@ -27,7 +30,7 @@ import torch
 
 from ligertune.bench.timing import measure
 
-RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "bench" / "llama-3.2-1b.yaml"
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "bench" / "llama-3.2-1b.yaml"
 SHAPES = [(8192, 4096, 128256), (16384, 2048, 128256), (4096, 3584, 152064)]
 CHUNK_MIB = (64, 96, 120, 128, 1024)
 

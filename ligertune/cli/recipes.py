@@ -12,6 +12,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 
 from ligertune.cli.guard import guarded
+from ligertune.errors import UserError
 from ligertune.recipe import bundled_recipe, bundled_recipes, recipe_description
 
 app = typer.Typer(help="List, show and copy the bundled recipes.", no_args_is_help=True)
@@ -49,19 +50,24 @@ def show(name: NameArg) -> None:
 @guarded
 def cp(
     name: NameArg,
-    file: Annotated[Path, typer.Argument(help="Where to write the copy.")],
+    file: Annotated[Path, typer.Argument(help="Where to write the copy: a file, or a folder to copy it into.")],
     force: Annotated[bool, typer.Option("--force", help="Replace FILE if it exists.")] = False,
 ) -> None:
-    """Copy a bundled recipe to FILE to edit it.
+    """Copy a bundled recipe to FILE to edit it; missing folders on the way are created.
 
     Example: [bold]ligertune recipes cp quickstart my-recipe.yaml[/]
     """
-    from ligertune.errors import UserError
-
     path = bundled_recipe(name)
-    if file.exists() and not force:
-        raise UserError(f"{file} exists; pass --force to replace it")
-    shutil.copyfile(path, file)
-    Console().print(f"copied {name} to {file}", markup=False)
+    target = file / path.name if file.is_dir() else file
+    if target.is_dir():
+        raise UserError(f"{target} is a folder; give a file name for the copy")
+    if target.exists() and not force:
+        raise UserError(f"{target} exists; pass --force to replace it")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target)
+    except OSError as err:
+        raise UserError(f"{target}: cannot write the copy: {err.strerror or err}") from None
+    Console().print(f"copied {name} to {target}", markup=False)
     if any(line.strip().startswith(("path:", "eval_path:", "tokenizer:")) for line in path.read_text().splitlines()):
         Console().print("[dim]relative data and tokenizer paths resolve next to the recipe file: adjust them if needed[/]")

@@ -121,6 +121,23 @@ def test_recipes_ls_show_cp(tmp_path: Path):
     assert_user_error(invoke("recipes", "show", "quikstart"), "did you mean `quickstart`?")
 
 
+def test_recipes_cp_creates_folders_and_replaces_only_with_force(tmp_path: Path):
+    bundled = bundled_recipes()["quickstart"].read_text()
+    target = tmp_path / "new" / "dir" / "x.yaml"
+    assert invoke("recipes", "cp", "quickstart", target).exit_code == 0
+    assert target.read_text() == bundled
+    target.write_text("edited")
+    assert_user_error(invoke("recipes", "cp", "quickstart", target), f"{target} exists; pass --force")
+    assert target.read_text() == "edited"
+    assert invoke("recipes", "cp", "quickstart", target, "--force").exit_code == 0
+    assert target.read_text() == bundled
+    # Into an existing folder, under the recipe's own file name.
+    assert invoke("recipes", "cp", "bench/llama-3.2-1b", target.parent).exit_code == 0
+    assert (target.parent / "llama-3.2-1b.yaml").read_text() == bundled_recipes()["bench/llama-3.2-1b"].read_text()
+    # A file where a folder must be made: one line, exit 2.
+    assert_user_error(invoke("recipes", "cp", "quickstart", target / "y.yaml"), "cannot write the copy")
+
+
 def test_env_reports_versions_and_kernel_path(monkeypatch):
     monkeypatch.setenv("LIGERTUNE_KERNELS", "reference")
     result = invoke("env", "--json")

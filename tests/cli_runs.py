@@ -1,0 +1,64 @@
+"""`ligertune` run as a user runs it, and the checks on what its runs wrote: the helpers of the tests
+that train with several processes through the CLI (2 gloo processes on the CPU; NCCL on GPUs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def ligertune(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """`ligertune ARGS` in a process of its own: one thread a process (2 processes on 2 cores, each its
+    own) and NVLink multicast off (the GPU machines these tests run on run NCCL without it)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NCCL_NVLS_ENABLE": "0"}
+    return subprocess.run([sys.executable, "-m", "ligertune", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def train_records(run_dir: Path) -> list[dict]:
+    """The training steps' records of a run's metrics.jsonl (not evaluations or checkpoints)."""
+    lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    return [record for record in map(json.loads, filter(str.strip, lines)) if "loss" in record]
+
+
+def assert_resume_continues_the_run(recipe: Path, run_dir: Path, *, processes: int, steps: int, save_at: int,
+                                    loss_rtol: float, grad_norm_rtol: float, overrides: tuple[str, ...] = (),
+                                    timeout: float = 240) -> Path:
+    """Train `recipe` with `processes` processes for `steps` steps straight into `run_dir`, with a
+    checkpoint after step `save_at`; then train again from that checkpoint (`--resume`, the same
+    number of processes) to step `steps`.
+
+    The resumed run must say where it resumed, its metrics.jsonl must read as one run (steps
+    1..`steps`, the straight run's records after `save_at` dropped), and each of its steps after
+    `save_at` must have the straight run's supervised tokens (the data position) and learning rate
+    (the schedule) exactly, and its loss and gradient norm within the relative tolerances (0: to the
+    bit). Returns the folder the straight run's final model was moved to.
+    """
+    args = ["train", str(recipe), "--nproc", str(processes), "-o", str(run_dir), "--max-steps", str(steps),
+            "--set", f"train.save_every={save_at}", *(arg for item in overrides for arg in ("--set", item))]
+    result = ligertune(*args, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    straight = train_records(run_dir)
+    assert [r["step"] for r in straight] == list(range(1, steps + 1))
+    straight_final = run_dir.with_name(f"{run_dir.name}-straight-final")
+    shutil.move(run_dir / "final", straight_final)
+
+    checkpoint = run_dir / "checkpoints" / f"step-{save_at:06d}"
+    result = ligertune(*args, "--resume", str(checkpoint), timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    said = re.search(r"resumed from .*? at step (\d+) ", " ".join(result.stdout.split()))  # however it wrapped
+    assert said and int(said.group(1)) == save_at, result.stdout[-3000:]
+    resumed = train_records(run_dir)
+    assert [r["step"] for r in resumed] == list(range(1, steps + 1))
+    for before, after in zip(straight[save_at:], resumed[save_at:]):
+        assert after["tokens"] == before["tokens"] and after["lr"] == before["lr"], after["step"]
+        assert after["loss"] == pytest.approx(before["loss"], rel=loss_rtol, abs=0), after["step"]
+        assert after["grad_norm"] == pytest.approx(before["grad_norm"], rel=grad_norm_rtol, abs=0), after["step"]
+    return straight_final

@@ -251,15 +251,19 @@ def test_duplicate_keys_in_an_override_value(recipe):
     assert line.startswith("error: --set optim={lr: 0.1, lr: 0.2}: optim.lr: duplicate key")
 
 
-def test_warmup_longer_than_the_run(recipe):
-    line = error_line(invoke("validate", recipe, "--set", "optim.warmup_steps=10",
-                             "--set", "train.max_steps=4"))
-    assert line == ("error: --set optim.warmup_steps=10: 10 warmup steps is longer than the run "
-                    "(train.max_steps: 4): the learning rate would never reach `optim.lr`")
-    recipe.write_text(recipe.read_text().replace("warmup_steps: 1", "warmup_steps: 5"))  # max_steps: 3
-    line = error_line(invoke("validate", recipe))
-    assert f"{recipe}: optim.warmup_steps: 5 warmup steps is longer than the run" in line
-    assert invoke("validate", recipe, "--set", "train.max_steps=5").exit_code == 0  # as long as the run: fine
+def test_a_smoke_run_shorter_than_the_warmup_runs_with_the_warmup_cut(recipe):
+    """`--max-steps 2` of a recipe with 5 warmup steps trains (it was refused): the warmup is cut to
+    the run, and `optim.warmup_ratio` is validated against `optim.warmup_steps`."""
+    from ligertune.metrics import read_metrics
+
+    recipe.write_text(recipe.read_text().replace("warmup_steps: 1", "warmup_steps: 5"))
+    result = invoke("train", recipe, "--max-steps", "2")
+    assert result.exit_code == 0, result.output + result.stderr
+    steps = [r for r in read_metrics(recipe.parent / "run" / "metrics.jsonl") if "loss" in r]
+    assert [r["lr"] for r in steps] == pytest.approx([3e-3 * 1 / 3, 3e-3 * 2 / 3])  # a warmup of 2 steps
+    line = error_line(invoke("validate", recipe, "--set", "optim.warmup_ratio=0.1"))
+    assert line == ("error: --set optim.warmup_ratio=0.1: give `warmup_steps` (5) or `warmup_ratio` (0.1), "
+                    "not both: set the other to 0")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -264,7 +264,13 @@ class OptimConfig:
     )
     schedule: Literal["cosine", "linear", "constant"] = _field("cosine", "Decay after warmup.")
     warmup_steps: int = _field(
-        0, "Linear warmup from 0 to `lr`, in optimizer steps; no longer than `train.max_steps` when set."
+        0, "Linear warmup from 0 to `lr`, in optimizer steps. A warmup longer than the run (a smoke run "
+        "with `--max-steps`) is cut to the run's length, with a warning: the learning rate then rises "
+        "over the whole run and never decays."
+    )
+    warmup_ratio: float = _field(
+        0.0, "Linear warmup as a share of the run's optimizer steps, in [0, 1), rounded up to whole steps: "
+        "it scales with `train.max_steps` (and `--max-steps`). Give this or `warmup_steps`, not both."
     )
     min_lr_ratio: float = _field(0.0, "Final learning rate as a fraction of `lr` (cosine, linear).")
     clip: Literal["global", "per_tensor"] = _field(
@@ -291,6 +297,11 @@ class OptimConfig:
             problems.append(("weight_decay", f"must be >= 0, got {self.weight_decay}"))
         if self.warmup_steps < 0:
             problems.append(("warmup_steps", f"must be >= 0, got {self.warmup_steps}"))
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            problems.append(("warmup_ratio", f"must be in [0, 1), got {self.warmup_ratio}"))
+        elif self.warmup_ratio > 0 and self.warmup_steps > 0:
+            problems.append(("warmup_ratio", f"give `warmup_steps` ({self.warmup_steps}) or `warmup_ratio` "
+                             f"({self.warmup_ratio:g}), not both: set the other to 0"))
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             problems.append(("min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}"))
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
@@ -442,11 +453,6 @@ class Recipe:
         if self.model.quantization is not None and self.lora is None:
             problems.append(("model.quantization", f"a quantized base ({self.model.quantization}) is frozen: "
                              "train LoRA adapters over it (add a `lora` section, e.g. `--set lora.r=16`)"))
-        if self.train.max_steps is not None and self.optim.warmup_steps > self.train.max_steps:
-            problems.append(("optim.warmup_steps",
-                             f"{self.optim.warmup_steps} warmup steps is longer than the run "
-                             f"(train.max_steps: {self.train.max_steps}): the learning rate would never "
-                             "reach `optim.lr`"))
         return problems
 
     def to_dict(self) -> dict:

@@ -43,7 +43,7 @@ from ligertune.recipe import (
 from ligertune.training import precision
 from ligertune.training.adamw import AdamW
 from ligertune.training.lion import Lion
-from ligertune.training.optim import lr_multiplier
+from ligertune.training.optim import lr_multiplier, warmup_length
 
 
 def build_device(cfg: TrainConfig) -> torch.device:
@@ -386,8 +386,20 @@ def optimizer_warnings(recipe: Recipe, dtypes: set[torch.dtype]) -> list[str]:
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, *, total_steps: int):
-    """Linear warmup, then the recipe's decay, as a factor of `optim.lr` per optimizer step."""
+    """Linear warmup (`optim.warmup_steps` or `optim.warmup_ratio`, at most the run), then the recipe's
+    decay, as a factor of `optim.lr` per optimizer step (`ligertune.training.optim`)."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, total_steps, cfg))
+
+
+def schedule_warnings(cfg: OptimConfig, total_steps: int) -> list[str]:
+    """`key: message` for a schedule that runs other than the recipe reads: a warmup longer than the
+    run (a smoke run with `--max-steps`), cut to the run's length (`training.optim.warmup_length`)."""
+    warmup = warmup_length(cfg, total_steps)
+    if cfg.warmup_ratio > 0 or warmup == cfg.warmup_steps:
+        return []
+    return [f"optim.warmup_steps: {cfg.warmup_steps} warmup steps is longer than the run ({total_steps} "
+            f"step{'s' * (total_steps != 1)}): the warmup is cut to {warmup}, so the learning rate rises over "
+            "the whole run and never decays (optim.warmup_ratio scales the warmup with the run)"]
 
 
 # --------------------------------------------------------------------------------------------------

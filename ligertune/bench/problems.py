@@ -135,20 +135,19 @@ def flce_problem(dims: dict[str, int], device: torch.device, dtype: torch.dtype,
     inputs = {"hidden": hidden, "weight": weight, "targets": targets, "token_weights": token_weights}
 
     from ligertune import kernels
-    from ligertune.kernels import reference
+    from ligertune.kernels import LossOptions, reference
 
     path = kernels.active_path(device)
+    options = LossOptions(z_loss_weight=Z_LOSS_WEIGHT, label_smoothing=LABEL_SMOOTHING, reduction="sum")
 
-    def ours(x, **options):
-        return (kernels.fused_linear_cross_entropy(x["hidden"], x["weight"], x["targets"], **options).loss,)
-
-    options = dict(z_loss_weight=Z_LOSS_WEIGHT, label_smoothing=LABEL_SMOOTHING, reduction="sum")
+    def ours(x, **extra):
+        return (kernels.fused_linear_cross_entropy(x["hidden"], x["weight"], x["targets"], **extra).loss,)
 
     def ours_options(x):
-        return ours(x, token_weights=x["token_weights"], **options)
+        return ours(x, token_weights=x["token_weights"], options=options)
 
     def ref(x, semantics):
-        extra = dict(token_weights=x["token_weights"], **options) if semantics == "options" else {}
+        extra = dict(token_weights=x["token_weights"], options=options) if semantics == "options" else {}
         return (reference.fused_linear_cross_entropy(x["hidden"], x["weight"], x["targets"], **extra).loss,)
 
     def liger(x):
@@ -169,7 +168,7 @@ def flce_problem(dims: dict[str, int], device: torch.device, dtype: torch.dtype,
         Impl(f"{LIGERTUNE} ({path})", ours),
         Impl(f"{LIGERTUNE} +options", ours_options, semantics="options"),
         Impl(f"{LIGERTUNE} low-mem ({LOW_MEMORY_CHUNK_BYTES >> 20} MiB chunks)",
-             lambda x: ours(x, chunk_bytes=LOW_MEMORY_CHUNK_BYTES)),
+             lambda x: ours(x, options=LossOptions(chunk_bytes=LOW_MEMORY_CHUNK_BYTES))),
         Impl("torch eager", eager),
         Impl("torch.compile", eager, compiled=True),
         Impl("liger", liger, peer="liger"),

@@ -10,9 +10,10 @@ import os
 
 import torch
 
-from ligertune.kernels.types import LossOutput
+from ligertune.kernels.types import LossOptions, LossOutput
 
 __all__ = [
+    "LossOptions",
     "LossOutput",
     "active_path",
     "apply_rope",
@@ -45,9 +46,37 @@ def _impl(name: str, device: torch.device):
     return getattr(ops, name)
 
 
-def fused_linear_cross_entropy(hidden, weight, targets, **kwargs) -> LossOutput:
-    """Cross-entropy of `hidden @ weight.T` without materializing the logits; see `chunked_loss`."""
-    return _impl("fused_linear_cross_entropy", hidden.device)(hidden, weight, targets, **kwargs)
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss_weight: float = 0.0,
+    softcap: float | None = None,
+    token_weights: torch.Tensor | None = None,
+    reduction: str = "mean",
+    chunk_bytes: int | None = None,
+    options: LossOptions | None = None,
+) -> LossOutput:
+    """Cross-entropy of `hidden @ weight.T + bias` without materializing the logits; see `chunked_loss`.
+
+    The options come either as torch's keywords or all at once as `options` (what the loss head
+    passes), not both: with `options`, the keywords from `ignore_index` to `chunk_bytes` keep their
+    defaults.
+    """
+    keywords = LossOptions(
+        ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss_weight=z_loss_weight,
+        softcap=softcap, reduction=reduction, chunk_bytes=chunk_bytes,
+    )
+    if options is None:
+        options = keywords
+    elif keywords != LossOptions():
+        raise TypeError("fused_linear_cross_entropy takes the options as keywords or as options=, not both")
+    impl = _impl("fused_linear_cross_entropy", hidden.device)
+    return impl(hidden, weight, targets, bias=bias, token_weights=token_weights, options=options)
 
 
 def rms_norm(x, weight, eps: float = 1e-6, offset: float = 0.0, casting: str | None = None):

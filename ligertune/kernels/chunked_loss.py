@@ -2,7 +2,8 @@
 
 `fused_linear_cross_entropy` has a Triton path (`cross_entropy.py`) and a pure-torch path
 (`reference.py`) that differ only in what they do with one chunk of logits; each is a `ChunkLoss`.
-Everything else is written once, here.
+Everything else is written once, here. The options come as one `LossOptions` (`types.py`), which
+goes down unchanged to the path's `compute`.
 
 For a supervised row t (targets[t] != ignore_index), with raw logits r = hidden[t] @ weight.T + bias,
 z = c tanh(r / c) when a softcap c is set (else z = r), and lse = logsumexp(z):
@@ -35,21 +36,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ligertune.kernels.types import LossOutput
+from ligertune.kernels.types import LossOptions, LossOutput
 
 FLCE_DEFAULT_CHUNK_BYTES = 1 << 30
 """Default budget for the working set of one chunk of rows (about 1 GiB)."""
-
-FLCE_REDUCTIONS = ("mean", "sum", "none")
-
-
-@dataclass(frozen=True)
-class LossOptions:
-    """The options of the per-row loss l_t (see the module docstring), as a `ChunkLoss` receives them."""
-
-    label_smoothing: float = 0.0
-    z_loss_weight: float = 0.0
-    softcap: float | None = None
 
 
 @dataclass(frozen=True)
@@ -80,13 +70,9 @@ def check_flce_args(
     *,
     bias: torch.Tensor | None,
     token_weights: torch.Tensor | None,
-    label_smoothing: float,
-    z_loss_weight: float,
-    softcap: float | None,
-    reduction: str,
-    chunk_bytes: int | None,
 ) -> None:
-    """Raise `ValueError` for arguments that neither path of `fused_linear_cross_entropy` accepts."""
+    """Raise `ValueError` for tensors that neither path of `fused_linear_cross_entropy` accepts (the
+    options were checked when the `LossOptions` was built)."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
             f"hidden must be [N, H] and weight [V, H]; got {tuple(hidden.shape)} and {tuple(weight.shape)}"
@@ -102,16 +88,6 @@ def check_flce_args(
         raise ValueError(f"bias must be [{v}] in {weight.dtype}; got {bias.dtype} {tuple(bias.shape)}")
     if token_weights is not None and tuple(token_weights.shape) != (n,):
         raise ValueError(f"token_weights must have shape ({n},); got {tuple(token_weights.shape)}")
-    if reduction not in FLCE_REDUCTIONS:
-        raise ValueError(f"reduction must be one of {FLCE_REDUCTIONS}; got {reduction!r}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must lie in [0, 1]; got {label_smoothing}")
-    if not z_loss_weight >= 0.0:
-        raise ValueError(f"z_loss_weight must be >= 0; got {z_loss_weight}")
-    if softcap is not None and not softcap > 0.0:
-        raise ValueError(f"softcap must be > 0 (or None); got {softcap}")
-    if chunk_bytes is not None and chunk_bytes <= 0:
-        raise ValueError(f"chunk_bytes must be > 0; got {chunk_bytes}")
 
 
 def autocast_flce_inputs(
@@ -181,7 +157,6 @@ def _loss_pass(
     *,
     options: LossOptions,
     grad_scale: float,
-    chunk_bytes: int,
     needs_grad: tuple[bool, bool, bool],
 ) -> tuple[torch.Tensor | None, ...]:
     """One chunked pass over the supervised rows (see the module docstring).
@@ -211,7 +186,7 @@ def _loss_pass(
         grad_b = torch.zeros(vocab, dtype=torch.float32, device=device)
 
     bytes_per_logit = hidden.element_size() + 4 * path.float32_temporaries
-    chunk = _chunk_rows(n, vocab, bytes_per_logit, chunk_bytes)
+    chunk = _chunk_rows(n, vocab, bytes_per_logit, options.chunk_bytes or FLCE_DEFAULT_CHUNK_BYTES)
     logits = torch.empty((min(chunk, n), vocab), dtype=hidden.dtype, device=device)
     w_t = weight.t()
     for start in range(0, n, chunk):
@@ -262,28 +237,24 @@ def fused_linear_cross_entropy_fwd(
     targets: torch.Tensor,
     token_weights: torch.Tensor | None,
     *,
-    ignore_index: int,
-    reduction: str,
     options: LossOptions,
-    chunk_bytes: int,
     needs_grad: tuple[bool, bool, bool],
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...], tuple[torch.Tensor | None, ...]]:
     """The forward: (loss, z_loss, n_correct, n_tokens), the gradients of `loss` where asked (scalar
     reductions only; "none" leaves them to the backward), and the supervised (rows, targets,
     row_weights) that a "none" backward recomputes from."""
     n_rows, vocab = hidden.shape[0], weight.shape[0]
-    rows, n_tokens = select_supervised(targets, ignore_index, vocab)
+    rows, n_tokens = select_supervised(targets, options.ignore_index, vocab)
     y = targets.contiguous() if rows is None else targets.index_select(0, rows)
     w = None
     if token_weights is not None:
         w = token_weights.float()
         w = w.contiguous() if rows is None else w.index_select(0, rows)
-    scalar = reduction != "none"
-    scale = 1.0 / max(n_tokens, 1) if reduction == "mean" else 1.0
+    scalar = options.reduction != "none"
+    scale = 1.0 / max(n_tokens, 1) if options.reduction == "mean" else 1.0
     loss_rows, z_rows, correct, *grads = _loss_pass(
         path, hidden, weight, bias, rows, y, w,
-        options=options, grad_scale=scale, chunk_bytes=chunk_bytes,
-        needs_grad=needs_grad if scalar else (False, False, False),
+        options=options, grad_scale=scale, needs_grad=needs_grad if scalar else (False, False, False),
     )
     if scalar:
         loss, z_loss = loss_rows.sum() * scale, z_rows.sum() * scale
@@ -295,68 +266,73 @@ def fused_linear_cross_entropy_fwd(
     return (loss, z_loss, n_correct, n_tok), tuple(grads), (rows, y, w)
 
 
+def scale_forward_grads(grads: tuple[torch.Tensor | None, ...] | None,
+                        grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """Backward of a scalar reduction: the gradients computed in the forward, times `grad_loss`, in place.
+
+    In place, so they are handed out once (None: they were). Reading grad_loss costs one host sync,
+    far cheaper than a pass over the [V, H] weight gradient when it is 1, as it is for loss.backward().
+    """
+    if grads is None:
+        raise RuntimeError("fused_linear_cross_entropy supports one backward per forward")
+    g = float(grad_loss)
+    return tuple(t if t is None or g == 1.0 else t.mul_(g) for t in grads)
+
+
 def fused_linear_cross_entropy_bwd(
     path: ChunkLoss,
     grad_loss: torch.Tensor,
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    supervised: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None],
+    rows: torch.Tensor | None,
+    targets: torch.Tensor,
+    row_weights: torch.Tensor | None,
     *,
     options: LossOptions,
-    chunk_bytes: int,
     needs_grad: tuple[bool, bool, bool],
 ) -> tuple[torch.Tensor | None, ...]:
     """Backward of reduction="none": recompute each chunk with row weights grad_loss[t] * w_t.
 
-    `supervised` is the (rows, targets, row_weights) that the forward returned."""
-    rows, targets, row_weights = supervised
+    (rows, targets, row_weights) are the supervised ones that the forward returned."""
     g_rows = grad_loss.float() if rows is None else grad_loss.float().index_select(0, rows)
     row_weights = g_rows.contiguous() if row_weights is None else g_rows * row_weights
     return _loss_pass(
         path, hidden, weight, bias, rows, targets, row_weights,
-        options=options, grad_scale=1.0, chunk_bytes=chunk_bytes, needs_grad=needs_grad,
+        options=options, grad_scale=1.0, needs_grad=needs_grad,
     )[3:]
 
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
-    """Autograd for `fused_linear_cross_entropy`; differentiable w.r.t. hidden, weight and bias."""
+    """Autograd for `fused_linear_cross_entropy`; differentiable w.r.t. hidden, weight and bias.
+
+    A scalar reduction keeps the gradients that its forward computed; "none" keeps the inputs, and
+    its backward recomputes."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, token_weights, path, ignore_index, reduction, options,
-                chunk_bytes):
+    def forward(ctx, hidden, weight, bias, targets, token_weights, path, options):
         outputs, grads, supervised = fused_linear_cross_entropy_fwd(
             path, hidden, weight, bias, targets, token_weights,
-            ignore_index=ignore_index, reduction=reduction, options=options, chunk_bytes=chunk_bytes,
-            needs_grad=tuple(ctx.needs_input_grad[:3]),
+            options=options, needs_grad=tuple(ctx.needs_input_grad[:3]),
         )
-        ctx.scalar = reduction != "none"
-        if ctx.scalar:
-            ctx.grads = grads
-        else:
+        ctx.path, ctx.options = path, options
+        if options.reduction == "none":
             ctx.save_for_backward(hidden, weight, bias, *supervised)
-            ctx.path, ctx.options, ctx.chunk_bytes = path, options, chunk_bytes
+        else:
+            ctx.grads = grads
         ctx.mark_non_differentiable(*outputs[1:])
         return outputs
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
-        if ctx.scalar:
-            if ctx.grads is None:
-                raise RuntimeError("fused_linear_cross_entropy supports one backward per forward")
-            # The gradients were computed in the forward and are scaled here in place, so they are
-            # handed out once. Reading grad_loss costs one host sync, far cheaper than a pass over
-            # the [V, H] weight gradient when it is 1, as it is for loss.backward().
-            grads, ctx.grads = ctx.grads, None
-            g = float(grad_loss)
-            grads = tuple(t if t is None or g == 1.0 else t.mul_(g) for t in grads)
-        else:
-            hidden, weight, bias, *supervised = ctx.saved_tensors
+        if ctx.options.reduction == "none":
             grads = fused_linear_cross_entropy_bwd(
-                ctx.path, grad_loss, hidden, weight, bias, tuple(supervised),
-                options=ctx.options, chunk_bytes=ctx.chunk_bytes, needs_grad=tuple(ctx.needs_input_grad[:3]),
+                ctx.path, grad_loss, *ctx.saved_tensors,
+                options=ctx.options, needs_grad=tuple(ctx.needs_input_grad[:3]),
             )
-        return (*grads, None, None, None, None, None, None, None)
+        else:
+            grads, ctx.grads = scale_forward_grads(ctx.grads, grad_loss), None
+        return (*grads, None, None, None, None)
 
 
 def chunked_linear_cross_entropy(
@@ -366,20 +342,15 @@ def chunked_linear_cross_entropy(
     targets: torch.Tensor,
     *,
     bias: torch.Tensor | None = None,
-    ignore_index: int = -100,
-    label_smoothing: float = 0.0,
-    z_loss_weight: float = 0.0,
-    softcap: float | None = None,
     token_weights: torch.Tensor | None = None,
-    reduction: str = "mean",
-    chunk_bytes: int | None = None,
+    options: LossOptions,
 ) -> LossOutput:
     """Cross-entropy of `hidden [N, H] @ weight [V, H].T + bias` against `targets [N]`, chunk by chunk
     on `path`, never holding all logits: `ligertune.kernels.fused_linear_cross_entropy`.
 
-    l_t as in the module docstring, for every supervised row t (targets[t] != ignore_index); the
-    smoothed term is the cross-entropy against the uniform distribution, as in
-    `torch.nn.functional.cross_entropy`. With w_t = token_weights[t] (default 1):
+    l_t as in the module docstring, for every supervised row t (targets[t] != options.ignore_index);
+    the smoothed term is the cross-entropy against the uniform distribution, as in
+    `torch.nn.functional.cross_entropy`. With w_t = token_weights[t] (default 1), `options.reduction`:
 
         "sum":  sum_t w_t l_t      "mean": that sum / n_tokens (0 when n_tokens = 0)
         "none": w_t l_t per row, [N] float32, 0 at ignored rows
@@ -390,23 +361,13 @@ def chunked_linear_cross_entropy(
     whose first argmax of z equals the target; ties go to the lowest index, as `torch.argmax`) and
     `n_tokens` (supervised rows). Softmax and log-sum-exp are computed in float32 whatever the input
     dtype. Rows are processed in chunks whose working set (the logits and the path's float32
-    temporaries) stays under `chunk_bytes` (default `FLCE_DEFAULT_CHUNK_BYTES`). A scalar reduction
-    allows one backward per forward.
+    temporaries) stays under `options.chunk_bytes` (default `FLCE_DEFAULT_CHUNK_BYTES`). A scalar
+    reduction allows one backward per forward.
     """
     hidden, weight, bias = autocast_flce_inputs(hidden, weight, bias)
-    check_flce_args(
-        hidden, weight, targets, bias=bias, token_weights=token_weights, label_smoothing=label_smoothing,
-        z_loss_weight=z_loss_weight, softcap=softcap, reduction=reduction, chunk_bytes=chunk_bytes,
-    )
+    check_flce_args(hidden, weight, targets, bias=bias, token_weights=token_weights)
     if path.dtypes is not None and hidden.dtype not in path.dtypes:
         raise ValueError(f"the {path.name} path takes {path.dtypes}; got {hidden.dtype}")
-    options = LossOptions(
-        label_smoothing=float(label_smoothing),
-        z_loss_weight=float(z_loss_weight),
-        softcap=None if softcap is None else float(softcap),
+    return LossOutput(
+        *FusedLinearCrossEntropyFunction.apply(hidden, weight, bias, targets, token_weights, path, options)
     )
-    outputs = FusedLinearCrossEntropyFunction.apply(
-        hidden, weight, bias, targets, token_weights, path, ignore_index, reduction, options,
-        chunk_bytes or FLCE_DEFAULT_CHUNK_BYTES,
-    )
-    return LossOutput(*outputs)

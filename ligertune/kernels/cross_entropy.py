@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ligertune.kernels.chunked_loss import ChunkLoss, LossOptions, chunked_linear_cross_entropy
-from ligertune.kernels.types import LossOutput
+from ligertune.kernels.chunked_loss import ChunkLoss, chunked_linear_cross_entropy
+from ligertune.kernels.types import LossOptions, LossOutput
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -154,6 +154,9 @@ def cross_entropy_chunk(
     """The Triton `ChunkLoss.compute`: the row kernel over one chunk of logits (see `ChunkLoss`)."""
     n_rows, vocab = logits.shape
     block_v, num_warps = _row_kernel_config(vocab)
+    # Floats, whatever the caller wrote: Triton would specialize an integer 1 into a constant.
+    label_smoothing, z_loss_weight = float(options.label_smoothing), float(options.z_loss_weight)
+    softcap = 1.0 if options.softcap is None else float(options.softcap)
     _fused_linear_cross_entropy_fwd_kernel[(n_rows,)](
         logits,
         logits.stride(0),
@@ -164,12 +167,12 @@ def cross_entropy_chunk(
         correct,
         vocab,
         grad_scale,
-        options.label_smoothing,
-        options.z_loss_weight,
-        1.0 if options.softcap is None else options.softcap,
+        label_smoothing,
+        z_loss_weight,
+        softcap,
         HAS_WEIGHTS=row_weights is not None,
-        HAS_SMOOTHING=options.label_smoothing > 0.0,
-        HAS_ZLOSS=options.z_loss_weight > 0.0,
+        HAS_SMOOTHING=label_smoothing > 0.0,
+        HAS_ZLOSS=z_loss_weight > 0.0,
         HAS_SOFTCAP=options.softcap is not None,
         COMPUTE_GRAD=compute_grad,
         BLOCK_V=block_v,
@@ -182,13 +185,22 @@ TRITON_CHUNK_LOSS = ChunkLoss(
 )
 
 
-def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                               **options) -> LossOutput:
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None,
+    options: LossOptions = LossOptions(),
+) -> LossOutput:
     """Cross-entropy of `hidden [N, H] @ weight [V, H].T + bias` against `targets [N]`, on Triton.
 
-    Options and semantics: `chunked_loss.chunked_linear_cross_entropy`. Extra device memory beyond
-    the inputs and gradients is one [rows, V] logits buffer of at most `chunk_bytes` (default 1 GiB;
+    Semantics: `chunked_loss.chunked_linear_cross_entropy`. Extra device memory beyond the inputs
+    and gradients is one [rows, V] logits buffer of at most `options.chunk_bytes` (default 1 GiB;
     64-128 MiB works at some speed cost, since each extra chunk re-reads and re-writes the [V, H]
     weight gradient), plus a [rows, H] gather of the supervised rows when some rows are ignored.
     """
-    return chunked_linear_cross_entropy(TRITON_CHUNK_LOSS, hidden, weight, targets, **options)
+    return chunked_linear_cross_entropy(
+        TRITON_CHUNK_LOSS, hidden, weight, targets, bias=bias, token_weights=token_weights, options=options
+    )

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from ligertune.kernels.chunked_loss import ChunkLoss, LossOptions, chunked_linear_cross_entropy
-from ligertune.kernels.types import LossOutput
+from ligertune.kernels.chunked_loss import ChunkLoss, chunked_linear_cross_entropy
+from ligertune.kernels.types import LossOptions, LossOutput
 
 
 # ---------------------------------------------------------------------------------------------
@@ -26,31 +26,28 @@ from ligertune.kernels.types import LossOutput
 
 
 def cross_entropy_rows(
-    z: torch.Tensor,
-    targets: torch.Tensor,
-    *,
-    label_smoothing: float = 0.0,
-    z_loss_weight: float = 0.0,
-    softcap: float | None = None,
+    z: torch.Tensor, targets: torch.Tensor, options: LossOptions
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The loss l_t of each row of float32 logits z [rows, V] against its target [rows] (int64).
 
-    With z capped to c tanh(z / c) when `softcap` = c is set, and lse = logsumexp(z):
+    With z capped to c tanh(z / c) when `options.softcap` = c is set, and lse = logsumexp(z):
 
-        l_t = (1 - eps) (lse - z_y) + eps (lse - mean_v z_v) + z_loss_weight lse^2
+        l_t = (1 - eps) (lse - z_y) + eps (lse - mean_v z_v) + zw lse^2
 
-    (eps = label_smoothing: the smoothed term is the cross-entropy against the uniform distribution,
-    as in `torch.nn.functional.cross_entropy`; the last term is the z-loss of PaLM, Chowdhery et al.
-    2022, section 5). Returns l_t, its z_loss_weight lse^2 part, lse, and the (capped) z. Out of
+    (eps = `options.label_smoothing`: the smoothed term is the cross-entropy against the uniform
+    distribution, as in `torch.nn.functional.cross_entropy`; zw = `options.z_loss_weight` weighs the
+    z-loss of PaLM, Chowdhery et al. 2022, section 5). Every row counts: ignore_index and the
+    reduction are the caller's. Returns l_t, its zw lse^2 part, lse, and the (capped) z. Out of
     place, so autograd can differentiate it: `causal_lm_loss_from_logits` does, on whole logits.
     """
+    eps, softcap = options.label_smoothing, options.softcap
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
     lse = torch.logsumexp(z, dim=1)
-    loss = lse - (1.0 - label_smoothing) * z.gather(1, targets[:, None]).squeeze(1)
-    if label_smoothing:
-        loss = loss - label_smoothing * z.mean(dim=1)
-    z_part = z_loss_weight * lse.square()
+    loss = lse - (1.0 - eps) * z.gather(1, targets[:, None]).squeeze(1)
+    if eps:
+        loss = loss - eps * z.mean(dim=1)
+    z_part = options.z_loss_weight * lse.square()
     return loss + z_part, z_part, lse, z
 
 
@@ -70,9 +67,7 @@ def cross_entropy_chunk(
     over `logits` (see `ChunkLoss`)."""
     eps, zw, softcap = options.label_smoothing, options.z_loss_weight, options.softcap
     y = targets.long()
-    row_loss, z_part, lse, z = cross_entropy_rows(
-        logits.float(), y, label_smoothing=eps, z_loss_weight=zw, softcap=softcap
-    )
+    row_loss, z_part, lse, z = cross_entropy_rows(logits.float(), y, options)
     w = torch.ones_like(lse) if row_weights is None else row_weights
     loss.copy_(row_loss * w)
     z_loss.copy_(z_part * w)
@@ -97,14 +92,23 @@ def cross_entropy_chunk(
 TORCH_CHUNK_LOSS = ChunkLoss(name="reference", compute=cross_entropy_chunk, float32_temporaries=3)
 
 
-def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                               **options) -> LossOutput:
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None,
+    options: LossOptions = LossOptions(),
+) -> LossOutput:
     """Cross-entropy of `hidden [N, H] @ weight [V, H].T + bias` against `targets [N]`, in torch.
 
-    The chunk loop of `chunked_loss.chunked_linear_cross_entropy` (options and semantics there) with
+    The chunk loop of `chunked_loss.chunked_linear_cross_entropy` (semantics there) with
     `cross_entropy_chunk` on each chunk.
     """
-    return chunked_linear_cross_entropy(TORCH_CHUNK_LOSS, hidden, weight, targets, **options)
+    return chunked_linear_cross_entropy(
+        TORCH_CHUNK_LOSS, hidden, weight, targets, bias=bias, token_weights=token_weights, options=options
+    )
 
 
 # ---------------------------------------------------------------------------------------------

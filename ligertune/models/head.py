@@ -4,7 +4,7 @@ There is one head for every family. It runs the model's decoder stack (which end
 norm) to get the last hidden states, then either hands them with the output projection's weight to
 `ligertune.kernels.fused_linear_cross_entropy` (the [tokens, vocab] logits are never stored), or,
 unfused, runs the model's own output layer and `causal_lm_loss_from_logits`, the same per-token
-formula in plain torch. Both give the same `LossOutput`.
+formula in plain torch. Both take the head's one `LossOptions` as it is and give the same `LossOutput`.
 
 The projection is used inside `CausalLMLoss.forward`, so a sharded model (FSDP2) has its weight
 gathered there, by the hooks of the module that owns it.
@@ -18,8 +18,7 @@ import torch
 from torch import nn
 
 from ligertune import kernels
-from ligertune.kernels import LossOutput
-from ligertune.kernels.chunked_loss import FLCE_REDUCTIONS
+from ligertune.kernels import LossOptions, LossOutput
 from ligertune.kernels.reference import cross_entropy_rows
 from ligertune.models.attention import PACKED_ATTENTION, conversations_mask, packed_attention_kwargs
 from ligertune.models.unwrap import decoder_of, output_head_of, plain_projection, unwrap_model
@@ -29,45 +28,45 @@ def causal_lm_loss_from_logits(
     logits: torch.Tensor,
     targets: torch.Tensor,
     *,
-    ignore_index: int = -100,
-    label_smoothing: float = 0.0,
-    z_loss_weight: float = 0.0,
-    softcap: float | None = None,
     token_weights: torch.Tensor | None = None,
-    reduction: str = "mean",
+    options: LossOptions = LossOptions(),
 ) -> LossOutput:
     """The loss of `fused_linear_cross_entropy`, from materialized logits [N, V] and targets [N].
 
-    For every supervised row t (targets[t] != ignore_index), with z the row's logits (capped to
-    c tanh(z / c) when `softcap` = c) and lse = logsumexp(z), in float32:
+    For every supervised row t (targets[t] != options.ignore_index), with z the row's logits (capped
+    to c tanh(z / c) when `options.softcap` = c) and lse = logsumexp(z), in float32:
 
-        l_t = (1 - eps) (lse - z_y) + eps (lse - mean_v z_v) + z_loss_weight lse^2
+        l_t = (1 - eps) (lse - z_y) + eps (lse - mean_v z_v) + zw lse^2
 
-    which is `torch.nn.functional.cross_entropy` with `label_smoothing=eps`, plus the z-loss. Then,
-    with w_t = token_weights[t] (default 1): "sum" gives sum_t w_t l_t, "mean" that sum over the
-    number of supervised rows, "none" w_t l_t per row (0 at ignored rows). `z_loss` is the
-    z_loss_weight lse^2 part under the same weights and reduction (not differentiable), `n_correct`
-    the supervised rows whose argmax equals the target, `n_tokens` the supervised rows. The per-row
+    (eps = `options.label_smoothing`, zw = `options.z_loss_weight`), which is
+    `torch.nn.functional.cross_entropy` with `label_smoothing=eps`, plus the z-loss. Then,
+    with w_t = token_weights[t] (default 1), `options.reduction`: "sum" gives sum_t w_t l_t, "mean"
+    that sum over the number of supervised rows, "none" w_t l_t per row (0 at ignored rows). `z_loss`
+    is the zw lse^2 part under the same weights and reduction (not differentiable), `n_correct` the
+    supervised rows whose argmax equals the target, `n_tokens` the supervised rows. The per-row
     formula is the fused loss's own, `ligertune.kernels.reference.cross_entropy_rows`, here under
     autograd (the logits may come from any output layer, such as a LoRA-adapted one).
+    `options.chunk_bytes` has no use here: the logits are already whole.
     """
-    if reduction not in FLCE_REDUCTIONS:
-        raise ValueError(f"reduction must be one of {FLCE_REDUCTIONS}; got {reduction!r}")
-    supervised = targets != ignore_index
+    supervised = targets != options.ignore_index
     y = torch.where(supervised, targets, 0).long()
-    loss, z_part, _, z = cross_entropy_rows(
-        logits.float(), y, label_smoothing=label_smoothing, z_loss_weight=z_loss_weight, softcap=softcap
-    )
+    loss, z_part, _, z = cross_entropy_rows(logits.float(), y, options)
     weights = supervised.float()
     if token_weights is not None:
         weights = torch.where(supervised, token_weights.float(), 0.0)
     loss, z_part = loss * weights, (z_part * weights).detach()
     n_tokens = supervised.sum()
     n_correct = (supervised & (z.argmax(dim=-1) == y)).sum()
-    if reduction != "none":
-        scale = 1.0 / n_tokens.clamp(min=1) if reduction == "mean" else 1.0
+    if options.reduction != "none":
+        scale = 1.0 / n_tokens.clamp(min=1) if options.reduction == "mean" else 1.0
         loss, z_part = loss.sum() * scale, z_part.sum() * scale
     return LossOutput(loss=loss, z_loss=z_part, n_correct=n_correct, n_tokens=n_tokens)
+
+
+def final_logit_softcap(model: nn.Module) -> float | None:
+    """The cap c that the model puts on its logits, c tanh(z / c) (Gemma 2's `final_logit_softcapping`),
+    or None: the loss options of its head must carry the same."""
+    return getattr(unwrap_model(model).config, "final_logit_softcapping", None)
 
 
 class CausalLMLoss(nn.Module):
@@ -76,26 +75,22 @@ class CausalLMLoss(nn.Module):
     `model` is kept as the submodule `self.model` (use it for `generate()` and `save_pretrained()`).
     With `fused=True` the output projection and the loss run in `fused_linear_cross_entropy`; an
     output layer that is not one weight matrix (a LoRA-adapted `lm_head`) falls back to the unfused
-    path, with a warning. Gemma 2's final logit softcapping is applied in both paths.
+    path, with a warning. Both paths get `options` as they are. Without `options`: the defaults with
+    the "sum" reduction (the trainer's normalization is in its token weights; docs/loss.md) and the
+    model's own logit softcap. `options`, when given, must carry that softcap (Gemma 2 caps its
+    logits; `final_logit_softcap`): the loss is that of the model's own logits.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        fused: bool = True,
-        chunk_bytes: int | None = None,
-        label_smoothing: float = 0.0,
-        z_loss_weight: float = 0.0,
-        ignore_index: int = -100,
-    ):
+    def __init__(self, model: nn.Module, *, fused: bool = True, options: LossOptions | None = None):
         super().__init__()
         self.model = model
-        self.label_smoothing = float(label_smoothing)
-        self.z_loss_weight = float(z_loss_weight)
-        self.ignore_index = int(ignore_index)
-        self.chunk_bytes = chunk_bytes
-        self.softcap = getattr(unwrap_model(model).config, "final_logit_softcapping", None)
+        softcap = final_logit_softcap(model)
+        if options is None:
+            options = LossOptions(reduction="sum", softcap=softcap)
+        elif options.softcap != softcap:
+            raise ValueError(f"the loss options cap the logits at softcap={options.softcap}, the model at "
+                             f"final_logit_softcapping={softcap}; they must agree")
+        self.options = options
         self.fused = bool(fused)
         if self.fused and plain_projection(output_head_of(model)) is None:
             warnings.warn(
@@ -115,15 +110,14 @@ class CausalLMLoss(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
         attention_mask: torch.Tensor | None = None,
-        reduction: str = "sum",
     ) -> LossOutput:
         """Loss of `targets` [B, L] (already shifted: targets[t] is the token after input_ids[t];
-        `ignore_index` where there is no loss) given `input_ids` [B, L].
+        `options.ignore_index` where there is no loss) given `input_ids` [B, L].
 
         `cu_seqlens` (cumulative conversation lengths over the flattened B * L tokens) and
         `max_seqlen` keep the conversations of a pack apart under packed attention; `attention_mask`
-        is the padding mask of an unpacked, padded batch. `token_weights` [B, L] and `reduction` as
-        in `fused_linear_cross_entropy` ("sum" of w_t l_t by default).
+        is the padding mask of an unpacked, padded batch. `token_weights` [B, L] as in
+        `fused_linear_cross_entropy`, reduced by `options.reduction`.
         """
         decoder = decoder_of(self.model)
         extra = {}
@@ -142,21 +136,22 @@ class CausalLMLoss(nn.Module):
         if token_weights is not None:
             token_weights = token_weights.reshape(-1)
         head = output_head_of(self.model)
-        options = dict(
-            ignore_index=self.ignore_index, label_smoothing=self.label_smoothing,
-            z_loss_weight=self.z_loss_weight, softcap=self.softcap, token_weights=token_weights,
-            reduction=reduction,
-        )
         projection = plain_projection(head) if self.fused else None
         if projection is not None:
             weight, bias = projection
             return kernels.fused_linear_cross_entropy(
-                hidden, weight, targets, bias=bias, chunk_bytes=self.chunk_bytes, **options
+                hidden, weight, targets, bias=bias, token_weights=token_weights, options=self.options
             )
-        return causal_lm_loss_from_logits(head(hidden), targets, **options)
+        logits = head(hidden)
+        return causal_lm_loss_from_logits(logits, targets, token_weights=token_weights, options=self.options)
 
     def extra_repr(self) -> str:
-        return (
-            f"fused={self.fused}, label_smoothing={self.label_smoothing}, "
-            f"z_loss_weight={self.z_loss_weight}, ignore_index={self.ignore_index}, softcap={self.softcap}"
-        )
+        """The loss that runs: the fused kernel and its path on the projection's device, or the
+        output layer's logits and the plain formula."""
+        head = output_head_of(self.model)
+        if self.fused:
+            weight, _ = plain_projection(head)
+            kernel = f"fused_linear_cross_entropy ({kernels.active_path(weight.device)})"
+        else:
+            kernel = f"causal_lm_loss_from_logits (torch, logits of the {type(head).__name__})"
+        return f"kernel={kernel}, options={self.options}"

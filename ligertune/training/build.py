@@ -29,7 +29,9 @@ from ligertune import models
 from ligertune.data import Pack, PreparedData, TokenizedExample, pack, prepare_data
 from ligertune.devices import resolve_device, resolve_dtype
 from ligertune.errors import UserError
+from ligertune.kernels import LossOptions
 from ligertune.models import CausalLMLoss, PatchReport, patch_model
+from ligertune.models.head import final_logit_softcap
 from ligertune.models.lora import patch_lora
 from ligertune.recipe import (
     DataConfig,
@@ -315,16 +317,19 @@ def adapters_in_model_dtype(cfg: LoraConfig, *, fast: bool, quantized: bool) -> 
 
 
 def build_head(model: nn.Module, kernels: KernelsConfig, loss: LossConfig) -> CausalLMLoss:
-    """The loss head of `model`: fused linear cross-entropy (or the unfused path) with the recipe's
-    label smoothing, z-loss and ignore index."""
-    return CausalLMLoss(
-        model,
-        fused=kernels.fused_linear_cross_entropy,
-        chunk_bytes=kernels.loss_chunk_mib * 2**20,
+    """The loss head of `model`: fused linear cross-entropy (or the unfused path) with the loss options
+    built here, once: the recipe's label smoothing, z-loss and ignore index, the model's logit
+    softcap, the kernel's chunk budget, and the "sum" reduction (the step's normalization is in the
+    token weights; docs/loss.md)."""
+    options = LossOptions(
+        ignore_index=loss.ignore_index,
         label_smoothing=loss.label_smoothing,
         z_loss_weight=loss.z_loss_weight,
-        ignore_index=loss.ignore_index,
+        softcap=final_logit_softcap(model),
+        reduction="sum",
+        chunk_bytes=kernels.loss_chunk_mib * 2**20,
     )
+    return CausalLMLoss(model, fused=kernels.fused_linear_cross_entropy, options=options)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch
 from gpu_testing import assert_matches_reference
 
 from ligertune import kernels
-from ligertune.kernels import reference
+from ligertune.kernels import LossOptions, reference
 
 pytestmark = pytest.mark.gpu
 
@@ -47,8 +47,10 @@ def flce_inputs(n, h, v, dtype, *, weighted=False, ignored=0.1):
 
 
 def flce(impl, **options):
+    options = LossOptions(**options)
+
     def fn(hidden, weight, targets, token_weights=None):
-        out = impl(hidden, weight, targets, token_weights=token_weights, **options)
+        out = impl(hidden, weight, targets, token_weights=token_weights, options=options)
         return {"loss": out.loss, "z_loss": out.z_loss, "n_correct": out.n_correct, "n_tokens": out.n_tokens}
 
     return fn
@@ -79,7 +81,8 @@ def test_fused_linear_cross_entropy_per_token_losses():
     inputs = flce_inputs(n, h, v, BF16)
 
     def per_token(impl):
-        return lambda **x: {"loss": impl(**x, reduction="none", label_smoothing=0.1).loss}
+        options = LossOptions(reduction="none", label_smoothing=0.1)
+        return lambda **x: {"loss": impl(**x, options=options).loss}
 
     upstream = {"loss": torch.rand(n, generator=generator(2), device="cuda")}
     assert_matches_reference(per_token(kernels.fused_linear_cross_entropy),

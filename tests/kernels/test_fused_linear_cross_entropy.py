@@ -7,12 +7,14 @@ With TRITON_INTERPRET=0 on a GPU machine the same tests run on CUDA with the com
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
 
 import pytest
 import torch
 
-from ligertune.kernels import fused_linear_cross_entropy
+from ligertune.kernels import LossOptions, fused_linear_cross_entropy
 from ligertune.kernels.chunked_loss import _chunk_rows
 from kernel_testing import DEVICE, rel_err
 
@@ -102,10 +104,11 @@ def make_inputs(n, h, v, dtype, *, ignore=True, bias=False, weights=False, seed=
 
 
 def run_both(inputs, options, grad_out, chunk_bytes=None):
-    """Loss output and gradients of (loss * grad_out).sum(): dispatched path, and plain_flce in float64."""
+    """Loss output and gradients of (loss * grad_out).sum(): dispatched path (given the options as one
+    `LossOptions`, as the loss head gives them), and plain_flce in float64."""
     diff_names = [k for k in ("hidden", "weight", "bias") if k in inputs]
     ours = {k: (t.clone().requires_grad_() if k in diff_names else t) for k, t in inputs.items()}
-    out = fused_linear_cross_entropy(**ours, **options, chunk_bytes=chunk_bytes)
+    out = fused_linear_cross_entropy(**ours, options=LossOptions(**options, chunk_bytes=chunk_bytes))
     (out.loss * grad_out).sum().backward()
     exact = {k: (t.double().requires_grad_() if k in diff_names else t) for k, t in inputs.items()}
     loss, z_part, n_correct, n_tokens = plain_flce(**exact, **options)
@@ -224,7 +227,9 @@ def test_autocast_runs_in_the_autocast_dtype(kernel_path):
     [
         pytest.param(dict(reduction="avg"), "reduction", id="reduction"),
         pytest.param(dict(label_smoothing=1.5), "label_smoothing", id="smoothing"),
+        pytest.param(dict(z_loss_weight=-1e-3), "z_loss_weight", id="zloss"),
         pytest.param(dict(softcap=0.0), "softcap", id="softcap"),
+        pytest.param(dict(chunk_bytes=0), "chunk_bytes", id="chunk-bytes"),
         pytest.param(dict(targets=torch.tensor([0, 1, 33])), "outside", id="target-out-of-range"),
         pytest.param(dict(targets=torch.tensor([0, 1])), "targets", id="targets-shape"),
         pytest.param(dict(bias=torch.zeros(32)), "bias", id="bias-shape"),
@@ -236,6 +241,34 @@ def test_rejects_bad_arguments(kernel_path, change, message):
     args = {k: t.to(DEVICE) if isinstance(t, torch.Tensor) else t for k, t in args.items()}
     with pytest.raises(ValueError, match=message):
         fused_linear_cross_entropy(**args)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_options_object_equals_the_keywords(kernel_path, reduction):
+    inputs = make_inputs(13, 40, 300, torch.float32, bias=True, weights=True, seed=4)
+    keywords = dict(reduction=reduction, chunk_bytes=5 * 16 * 300, **KERNEL_OPTIONS)
+    grad_out = (torch.linspace(0.5, 1.5, 13) if reduction == "none" else torch.tensor(1.7)).to(DEVICE)
+    results = []
+    for how in (keywords, dict(options=LossOptions(**keywords))):
+        leaves = {k: inputs[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")}
+        out = fused_linear_cross_entropy(**{**inputs, **leaves}, **how)
+        (out.loss * grad_out).sum().backward()
+        results.append([out.loss, out.z_loss, out.n_correct, *(t.grad for t in leaves.values())])
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_options_go_as_keywords_or_as_one_object_not_both(kernel_path):
+    inputs = make_inputs(4, 8, 33, torch.float32)
+    with pytest.raises(TypeError, match="not both"):
+        fused_linear_cross_entropy(**inputs, label_smoothing=0.1, options=LossOptions(reduction="sum"))
+
+
+def test_keyword_defaults_are_the_options_defaults():
+    """`options=` is checked against `LossOptions()`: the keywords must default to its fields."""
+    parameters = inspect.signature(fused_linear_cross_entropy).parameters
+    fields = dataclasses.asdict(LossOptions())
+    assert {name: parameters[name].default for name in fields} == fields
 
 
 def test_float64_runs_on_the_reference_path_only(kernel_path):

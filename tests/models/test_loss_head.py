@@ -7,8 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import ligertune.models.head as head_module
 from ligertune import kernels
+from ligertune.kernels import LossOptions
 from ligertune.models import CausalLMLoss, causal_lm_loss_from_logits, packed_attention_kwargs
+from ligertune.recipe import KernelsConfig, LossConfig
+from ligertune.training.build import build_head
 from tiny_models import make_model
 
 
@@ -38,7 +42,8 @@ def test_plain_formula_is_torch_cross_entropy(label_smoothing, reduction):
     logits = torch.randn(37, 123, generator=gen, dtype=torch.float64)
     targets = torch.randint(0, 123, (37,), generator=gen)
     targets[::4] = -100
-    got = causal_lm_loss_from_logits(logits, targets, label_smoothing=label_smoothing, reduction=reduction)
+    options = LossOptions(label_smoothing=label_smoothing, reduction=reduction)
+    got = causal_lm_loss_from_logits(logits, targets, options=options)
     want = F.cross_entropy(logits, targets, label_smoothing=label_smoothing, reduction=reduction)
     if reduction == "none":
         want = want.float()
@@ -70,13 +75,13 @@ def test_plain_formula_matches_the_fused_kernel(options):
     token_weights = None
     if options.pop("weights", False):
         token_weights = torch.rand(n, generator=gen, dtype=torch.float64)
-    options.setdefault("reduction", "mean")
+    options = LossOptions(**options)
 
-    fused = kernels.fused_linear_cross_entropy(
-        hidden, weight, targets, token_weights=token_weights, **options
-    )
+    fused = kernels.fused_linear_cross_entropy(hidden, weight, targets, token_weights=token_weights,
+                                               options=options)
     fused_grads = torch.autograd.grad(fused.loss.sum(), (hidden, weight))
-    plain = causal_lm_loss_from_logits(hidden @ weight.T, targets, token_weights=token_weights, **options)
+    plain = causal_lm_loss_from_logits(hidden @ weight.T, targets, token_weights=token_weights,
+                                       options=options)
     plain_grads = torch.autograd.grad(plain.loss.sum(), (hidden, weight))
 
     for name in ("loss", "z_loss"):
@@ -121,7 +126,7 @@ def test_head_equals_hf_logits_and_cross_entropy(case, fused, packed_batch):
 
     loss_ref = hf_reference(reference, packed_batch, label_smoothing=0.1)
     loss_ref.backward()
-    head = CausalLMLoss(model, fused=fused, label_smoothing=0.1)
+    head = CausalLMLoss(model, fused=fused, options=LossOptions(label_smoothing=0.1, reduction="sum"))
     assert head.fused == fused
     out = head(packed_batch.input_ids, packed_batch.position_ids, packed_batch.targets,
                cu_seqlens=packed_batch.cu_seqlens)
@@ -139,14 +144,15 @@ def test_head_equals_hf_logits_and_cross_entropy(case, fused, packed_batch):
 
 def test_token_weights_and_reductions(packed_batch):
     model = make_model("mistral")
-    head = CausalLMLoss(model, z_loss_weight=1e-3)
+    heads = {r: CausalLMLoss(model, options=LossOptions(z_loss_weight=1e-3, reduction=r))
+             for r in ("sum", "mean", "none")}
     weights = torch.rand(packed_batch.targets.shape, generator=torch.Generator().manual_seed(0))
     args = (packed_batch.input_ids, packed_batch.position_ids, packed_batch.targets)
     with torch.no_grad():
-        per_token = head(*args, weights, cu_seqlens=packed_batch.cu_seqlens, reduction="none")
-        total = head(*args, weights, cu_seqlens=packed_batch.cu_seqlens)
-        mean = head(*args, cu_seqlens=packed_batch.cu_seqlens, reduction="mean")
-        unweighted = head(*args, cu_seqlens=packed_batch.cu_seqlens, reduction="none")
+        per_token = heads["none"](*args, weights, cu_seqlens=packed_batch.cu_seqlens)
+        total = heads["sum"](*args, weights, cu_seqlens=packed_batch.cu_seqlens)
+        mean = heads["mean"](*args, cu_seqlens=packed_batch.cu_seqlens)
+        unweighted = heads["none"](*args, cu_seqlens=packed_batch.cu_seqlens)
     assert per_token.loss.shape == (packed_batch.targets.numel(),)
     torch.testing.assert_close(total.loss, per_token.loss.sum())
     torch.testing.assert_close(total.z_loss, per_token.z_loss.sum())
@@ -168,6 +174,49 @@ def test_gemma2_final_logit_softcapping(packed_batch):
     uncapped = CausalLMLoss(model)(packed_batch.input_ids, packed_batch.position_ids, packed_batch.targets,
                                    cu_seqlens=packed_batch.cu_seqlens)
     assert abs(uncapped.loss.item() - loss_ref.item()) > 1e-2
+
+
+def test_default_options_sum_and_carry_the_model_softcap():
+    model = make_model("gemma2", final_logit_softcapping=2.0)
+    assert CausalLMLoss(model).options == LossOptions(reduction="sum", softcap=2.0)
+    with pytest.raises(ValueError, match="final_logit_softcapping=2.0"):
+        CausalLMLoss(model, options=LossOptions(reduction="sum"))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_build_head_builds_the_options_once_and_the_loss_gets_them_unchanged(fused, packed_batch,
+                                                                             monkeypatch):
+    model = make_model("gemma2", final_logit_softcapping=2.0)
+    loss_cfg = LossConfig(label_smoothing=0.1, z_loss_weight=1e-3)
+    head = build_head(model, KernelsConfig(fused_linear_cross_entropy=fused, loss_chunk_mib=3), loss_cfg)
+    assert head.fused == fused
+    assert head.options == LossOptions(ignore_index=-100, label_smoothing=0.1, z_loss_weight=1e-3,
+                                       softcap=2.0, reduction="sum", chunk_bytes=3 * 2**20)
+    seen = []
+
+    def spy(module, name):
+        original = getattr(module, name)
+
+        def call(*args, **kwargs):
+            seen.append(kwargs["options"])
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, call)
+
+    spy(kernels, "fused_linear_cross_entropy")
+    spy(head_module, "causal_lm_loss_from_logits")
+    head(packed_batch.input_ids, packed_batch.position_ids, packed_batch.targets,
+         cu_seqlens=packed_batch.cu_seqlens)
+    assert len(seen) == 1 and seen[0] is head.options
+
+
+def test_repr_names_the_kernel_that_runs():
+    model = make_model("llama")
+    fused = repr(CausalLMLoss(model, options=LossOptions(label_smoothing=0.1, reduction="sum")))
+    assert f"kernel=fused_linear_cross_entropy ({kernels.active_path('cpu')})" in fused
+    assert "options=LossOptions(ignore_index=-100, label_smoothing=0.1, z_loss_weight=0.0" in fused
+    unfused = repr(CausalLMLoss(model, fused=False))
+    assert "kernel=causal_lm_loss_from_logits (torch, logits of the Linear)" in unfused
 
 
 def test_lora_on_lm_head_falls_back_to_the_unfused_path(packed_batch):

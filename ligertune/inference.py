@@ -16,6 +16,12 @@ What a path may be (`locate_model`):
 
 LoRA adapters are applied to the base model the run's recipe describes (`model.name_or_path`, or
 `model.config` rebuilt with the same random weights under `train.seed`).
+
+What is trusted: weights are read as data only (safetensors, or torch files with `weights_only`),
+each checked before use (`ligertune.weights`). Code shipped with a model (an `auto_map` in its
+config.json or tokenizer_config.json, a recipe's `model.trust_remote_code`) runs only when the person
+at the command line says so (`trust_remote_code=True`, `--trust-remote-code`): a run folder copied
+from elsewhere never turns it on by itself (`check_remote_code`).
 """
 
 from __future__ import annotations
@@ -35,12 +41,16 @@ from transformers import GenerationConfig, TextStreamer
 from ligertune.devices import resolve_device, resolve_dtype
 from ligertune.errors import UserError, first_line
 from ligertune.recipe import ModelConfig, Recipe
-from ligertune.training.checkpoint import CHECKPOINTS, checkpoint_steps
+from ligertune.training.checkpoint import checkpoint_steps
+from ligertune.training.run_dir import CHECKPOINTS
+from ligertune.weights import check_weight_files
 
 ADAPTER_CONFIG = "adapter_config.json"
 MODEL_CONFIG = "config.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
 RUN_RECIPE = "recipe.yaml"
-_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
+TRUST_FLAG = "--trust-remote-code"
+_TOKENIZER_FILES = (TOKENIZER_CONFIG, "tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -59,13 +69,16 @@ class ModelSource:
     """The run (folder with recipe.yaml) that wrote `model_dir`, when there is one."""
     adapters: bool
     """True when `model_dir` holds LoRA adapters rather than a whole model."""
+    trust_remote_code: bool = False
+    """Code shipped with the model may run: the choice of the person at the command line
+    (`--trust-remote-code`), never of the run's recipe."""
 
     def describe(self) -> str:
         kind = "LoRA adapters" if self.adapters else "model"
         return f"{kind} in {self.model_dir}"
 
 
-def locate_model(path: Path) -> ModelSource:
+def locate_model(path: Path, *, trust_remote_code: bool = False) -> ModelSource:
     """Resolve a run, a checkpoint, a run's final/ or a model folder to the folder of model files.
 
     A user error names `path` when it does not exist or holds no model.
@@ -86,16 +99,84 @@ def locate_model(path: Path) -> ModelSource:
             f"(checkpoints/step-N) or a Hugging Face model folder ({MODEL_CONFIG} or {ADAPTER_CONFIG})"
         )
     return ModelSource(path=path, model_dir=model_dir, run_dir=_run_of(model_dir),
-                       adapters=(model_dir / ADAPTER_CONFIG).is_file())
+                       adapters=(model_dir / ADAPTER_CONFIG).is_file(), trust_remote_code=trust_remote_code)
 
 
 def run_recipe(source: ModelSource) -> Recipe | None:
-    """The recipe of the run that wrote the model (its resolved recipe.yaml), if there is one."""
+    """The recipe of the run that wrote the model (its resolved recipe.yaml), if there is one, with
+    `model.trust_remote_code` set to the command line's choice: a recipe that turns it on is
+    refused unless that choice was made."""
     if source.run_dir is None:
         return None
     from ligertune.recipe import load_recipe
 
-    return load_recipe(source.run_dir / RUN_RECIPE)
+    path = source.run_dir / RUN_RECIPE
+    recipe = load_recipe(path)
+    if recipe.model.trust_remote_code and not source.trust_remote_code:
+        raise UserError(f"{path}: model.trust_remote_code is true: this run's model loads with code of its "
+                        f"own, which would run on this machine; refused. Pass {TRUST_FLAG} if you trust it")
+    model = dataclasses.replace(recipe.model, trust_remote_code=source.trust_remote_code)
+    return dataclasses.replace(recipe, model=model)
+
+
+def check_source(source: ModelSource, recipe: Recipe | None) -> None:
+    """What loading `source` would run and read, checked before anything loads: code of the model's
+    own only with `source.trust_remote_code` (`check_remote_code`), and whole weight files
+    (`ligertune.weights`): the model folder's and, under adapters, a local base model's."""
+    check_remote_code(source, recipe)
+    for folder in dict.fromkeys(f for f in (source.model_dir, _base_folder(source, recipe)) if f):
+        check_weight_files(folder)
+
+
+def check_remote_code(source: ModelSource, recipe: Recipe | None) -> None:
+    """Refuse, unless `source.trust_remote_code`, a model whose config.json or tokenizer_config.json
+    maps an Auto class to code of its own (`auto_map`): in the model folder, or in the local folders
+    of the base model and tokenizer loaded with it."""
+    if source.trust_remote_code:
+        return
+    folders = (source.model_dir, _tokenizer_folder(source, recipe), _base_folder(source, recipe))
+    for folder in dict.fromkeys(f for f in folders if f):
+        for name in (MODEL_CONFIG, TOKENIZER_CONFIG):
+            modules = _remote_modules(folder / name)
+            if modules:
+                raise UserError(
+                    f"{folder / name}: its auto_map names code of its own ({', '.join(modules)}), which "
+                    f"loading the model would run on this machine; refused. Pass {TRUST_FLAG} if you trust it"
+                )
+
+
+def _base_folder(source: ModelSource, recipe: Recipe | None) -> Path | None:
+    """The local folder of the adapters' base model: none for a whole model, a base built from a
+    config or a hub id."""
+    if not source.adapters:
+        return None
+    return _local_folder(recipe.model.name_or_path if recipe is not None else _adapters_base(source))
+
+
+def _tokenizer_folder(source: ModelSource, recipe: Recipe | None) -> Path | None:
+    """The local folder the tokenizer loads from (`load_tokenizer_for`)."""
+    if _holds_tokenizer(source.model_dir):
+        return source.model_dir
+    return _local_folder(recipe.model.tokenizer or recipe.model.name_or_path) if recipe is not None else None
+
+
+def _local_folder(name: str | None) -> Path | None:
+    path = Path(name).expanduser() if name else None
+    return path if path is not None and path.is_dir() else None
+
+
+def _remote_modules(config_path: Path) -> list[str]:
+    """The Python files a config's `auto_map` names (`{"AutoModelForCausalLM": "modeling_x.XModel"}`:
+    modeling_x.py), or none."""
+    try:
+        auto_map = json.loads(config_path.read_text(encoding="utf-8")).get("auto_map")
+    except (OSError, ValueError, AttributeError):  # absent or not a JSON object: nothing it could map
+        return []
+    if not isinstance(auto_map, dict):
+        return []
+    refs = [r for v in auto_map.values() for r in (v if isinstance(v, list) else [v]) if isinstance(r, str)]
+    # "module.Class", or "repo--module.Class" for code that lives in another repository
+    return sorted({r.split("--")[-1].rpartition(".")[0] + ".py" for r in refs}) or ["auto_map"]
 
 
 def _is_run(folder: Path) -> bool:
@@ -104,6 +185,10 @@ def _is_run(folder: Path) -> bool:
 
 def _holds_model(folder: Path) -> bool:
     return (folder / ADAPTER_CONFIG).is_file() or (folder / MODEL_CONFIG).is_file()
+
+
+def _holds_tokenizer(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in _TOKENIZER_FILES)
 
 
 def _run_of(model_dir: Path) -> Path | None:
@@ -142,9 +227,9 @@ def load_tokenizer_for(source: ModelSource, recipe: Recipe | None = None):
     else the one the run's recipe names."""
     from transformers import AutoTokenizer
 
-    if any((source.model_dir / name).is_file() for name in _TOKENIZER_FILES):
+    if _holds_tokenizer(source.model_dir):
         try:
-            return AutoTokenizer.from_pretrained(source.model_dir)
+            return AutoTokenizer.from_pretrained(source.model_dir, trust_remote_code=source.trust_remote_code)
         except (OSError, ValueError, KeyError) as err:
             raise UserError(f"{source.model_dir}: cannot load its tokenizer: {first_line(err)}") from None
     if recipe is not None:
@@ -156,20 +241,28 @@ def load_tokenizer_for(source: ModelSource, recipe: Recipe | None = None):
 
 def base_model_config(source: ModelSource, recipe: Recipe | None) -> tuple[ModelConfig, int]:
     """The recipe's `model` section (for the model's own attention, plain sdpa) and seed of the
-    adapters' base; a bare adapter folder's base is its adapter_config.json `base_model_name_or_path`."""
+    adapters' base; a bare adapter folder's base is its adapter_config.json `base_model_name_or_path`.
+    Remote code is trusted as `source` says (`run_recipe` has set the recipe's so)."""
     if recipe is not None:
         return dataclasses.replace(recipe.model, attention="sdpa"), recipe.train.seed
-    try:
-        base = json.loads((source.model_dir / ADAPTER_CONFIG).read_text(encoding="utf-8")).get(
-            "base_model_name_or_path")
-    except (OSError, ValueError) as err:
-        raise UserError(f"{source.model_dir / ADAPTER_CONFIG}: cannot read: {first_line(err)}") from None
+    base = _adapters_base(source)
     if not base:
         raise UserError(
             f"{source.path}: LoRA adapters without their base model: no run recipe.yaml above them and "
             f"no base_model_name_or_path in {ADAPTER_CONFIG}"
         )
-    return ModelConfig(name_or_path=base, attention="sdpa"), 0
+    return ModelConfig(name_or_path=base, attention="sdpa", trust_remote_code=source.trust_remote_code), 0
+
+
+def _adapters_base(source: ModelSource) -> str | None:
+    """The `base_model_name_or_path` of the adapters' adapter_config.json."""
+    path = source.model_dir / ADAPTER_CONFIG
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise UserError(f"{path}: cannot read: {first_line(err)}") from None
+    base = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+    return base if isinstance(base, str) else None
 
 
 def load_base_with_adapters(source: ModelSource, *, device: torch.device, dtype: torch.dtype,
@@ -214,19 +307,20 @@ def load_full_model(model_dir: Path, *, device: torch.device, dtype: torch.dtype
 
 
 def load_for_inference(path: Path, *, device: str = "auto", dtype: str = "auto",
-                       merge_adapters: bool = True) -> LoadedModel:
+                       merge_adapters: bool = True, trust_remote_code: bool = False) -> LoadedModel:
     """A run, checkpoint or model folder loaded for generation on `device` in `dtype`.
 
     LoRA adapters are applied to their base and, with `merge_adapters`, merged into it (the same
     function, one matmul less per layer and token), unless the base is quantized: merging would
     round W + s B A back to 4 or 8 bits, a model other than the one trained. `dtype="auto"` is
     bfloat16 on CUDA and float32 on the CPU; errors in `device` and `dtype` name the options
-    `--device` and `--dtype`.
+    `--device` and `--dtype`. Code shipped with the model runs only with `trust_remote_code`.
     """
-    source = locate_model(path)
+    source = locate_model(path, trust_remote_code=trust_remote_code)
     torch_device = resolve_device(device, key="--device")
     torch_dtype = resolve_dtype(dtype, torch_device, key="--dtype")
     recipe = run_recipe(source)
+    check_source(source, recipe)
     tokenizer = load_tokenizer_for(source, recipe)
     if source.adapters:
         model = load_base_with_adapters(source, device=torch_device, dtype=torch_dtype,
@@ -234,9 +328,8 @@ def load_for_inference(path: Path, *, device: str = "auto", dtype: str = "auto",
         if merge_adapters and not (recipe is not None and recipe.model.quantization is not None):
             model = model.merge_and_unload()
     else:
-        remote = recipe.model.trust_remote_code if recipe is not None else False
         model = load_full_model(source.model_dir, device=torch_device, dtype=torch_dtype,
-                                trust_remote_code=remote)
+                                trust_remote_code=source.trust_remote_code)
     return LoadedModel(model=model, tokenizer=tokenizer, source=source, device=torch_device,
                        dtype=torch_dtype)
 

@@ -25,6 +25,7 @@ from ligertune.inference import (
     MODEL_CONFIG,
     ModelSource,
     base_model_config,
+    check_source,
     load_base_with_adapters,
     load_full_model,
     load_tokenizer_for,
@@ -34,7 +35,8 @@ from ligertune.inference import (
 )
 from ligertune.numerics import relative_error
 from ligertune.recipe import ModelConfig
-from ligertune.training.checkpoint import CHECKPOINTS, write_atomic_dir
+from ligertune.files import write_atomic_dir
+from ligertune.training.run_dir import CHECKPOINTS
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 """Largest relative error ||merged - reference|| / ||reference|| of the check logits, per output
@@ -100,15 +102,16 @@ def merge_adapters(
     output: Path | None = None,
     dtype: str = "auto",
     device: str = "auto",
+    trust_remote_code: bool = False,
 ) -> MergeReport:
     """Merge the LoRA adapters of a run or checkpoint into their base; write a standalone model.
 
     `dtype` is the dtype of the written weights: `auto` keeps the base model's own (the recipe's
     `model.dtype` when set, else a pretrained base's checkpoint dtype, else float32). Raises
     `UserError` for a path without adapters and `MergeCheckError` when the check fails (nothing is
-    written then).
+    written then). Code shipped with the base model runs only with `trust_remote_code`.
     """
-    source = locate_model(path)
+    source = locate_model(path, trust_remote_code=trust_remote_code)
     if not source.adapters:
         raise UserError(
             f"{path}: no LoRA adapters to merge: {source.model_dir} holds a whole model "
@@ -117,6 +120,7 @@ def merge_adapters(
     torch_device = resolve_device(device, key="--device")
     requested = None if dtype == "auto" else resolve_dtype(dtype, torch_device, key="--dtype")
     recipe = run_recipe(source)
+    check_source(source, recipe)
     base_cfg = base_model_config(source, recipe)[0]
     out_dtype = _output_dtype(requested, base_cfg)
     target = Path(output).expanduser() if output is not None else default_output_dir(source)
@@ -143,7 +147,6 @@ def merge_adapters(
         merged.generation_config.eos_token_id = stops[0] if len(stops) == 1 else stops
     if tokenizer.pad_token_id is not None:
         merged.generation_config.pad_token_id = tokenizer.pad_token_id
-    remote = recipe.model.trust_remote_code if recipe is not None else False
     tolerance = TOLERANCE[out_dtype]
     rel_error = float("nan")
 
@@ -155,7 +158,8 @@ def merge_adapters(
         release_memory(torch_device)
         # What a user will load, read back from disk; upcast so that the check sees only the
         # rounding of the written weights.
-        reloaded = load_full_model(tmp, device=torch_device, dtype=torch.float32, trust_remote_code=remote)
+        reloaded = load_full_model(tmp, device=torch_device, dtype=torch.float32,
+                                   trust_remote_code=source.trust_remote_code)
         with torch.no_grad():
             logits = reloaded(input_ids=input_ids).logits.float()
         rel_error = relative_error(logits, reference)
@@ -208,18 +212,19 @@ def _output_dtype(requested: torch.dtype | None, base: ModelConfig) -> torch.dty
         return requested
     if base.dtype != "auto":
         return DTYPES[base.dtype]
-    return _saved_dtype(base.name_or_path) or torch.float32
+    return _saved_dtype(base) or torch.float32
 
 
-def _saved_dtype(name_or_path: str | None) -> torch.dtype | None:
+def _saved_dtype(base: ModelConfig) -> torch.dtype | None:
     """The dtype a pretrained model's config names: the base is loaded in float32 for the merge,
     so this is read from its config, not from the loaded model."""
     from transformers import AutoConfig
 
-    if not name_or_path:
+    if not base.name_or_path:
         return None
     try:
-        dtype = getattr(AutoConfig.from_pretrained(name_or_path), "dtype", None)
+        config = AutoConfig.from_pretrained(base.name_or_path, trust_remote_code=base.trust_remote_code)
+        dtype = getattr(config, "dtype", None)
     except (OSError, ValueError, KeyError):
         return None
     if isinstance(dtype, str):

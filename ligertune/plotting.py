@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from ligertune.errors import UserError
+from ligertune.metrics import read_metrics
 
 SMOOTH_FROM = 50
 """With this many train records or more, the raw loss is drawn faint under a smoothed line."""
@@ -32,9 +33,6 @@ def plot_metrics(metrics_path: Path, output_png: Path) -> Path:
     Panels without data (a run with no eval, records without `grad_norm`) are left out. The PNG is
     written to a temporary sibling and renamed, so a reader never sees half a file.
     """
-    # Imported here: `ligertune.training` imports this module for the plot at the end of a run.
-    from ligertune.training.checkpoint import read_metrics
-
     metrics_path, output_png = Path(metrics_path), Path(output_png)
     records = read_metrics(metrics_path)
     fig = metrics_figure(records, title=metrics_path.resolve().parent.name, source=str(metrics_path))

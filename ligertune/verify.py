@@ -50,8 +50,9 @@ from ligertune.models.lora import patch_lora, unpatch_lora
 from ligertune.numerics import relative_error
 from ligertune.recipe import LossConfig, Recipe
 from ligertune.training.build import build_device, build_head, build_model, patch_kernels
-from ligertune.training.loss_weights import step_token_weights
-from ligertune.training.trainer import pad_token_id, strategy
+from ligertune.objectives.normalization import step_token_weights
+from ligertune.training.build import strategy
+from ligertune.training.step import pad_token_id
 
 MODES = ("token", "sequence", "sum")
 

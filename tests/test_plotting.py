@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from ligertune.cli.main import app
 from ligertune.errors import UserError
-from ligertune.training.checkpoint import read_metrics
+from ligertune.metrics import read_metrics
 
 matplotlib = pytest.importorskip("matplotlib")  # the `plot` extra; part of the `test` extra
 

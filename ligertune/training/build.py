@@ -28,6 +28,7 @@ from torch import nn
 from ligertune import models
 from ligertune.data import Pack, PreparedData, TokenizedExample, pack, prepare_data
 from ligertune.devices import resolve_device, resolve_dtype
+from ligertune.distributed import Topology
 from ligertune.errors import UserError
 from ligertune.kernels import LossOptions
 from ligertune.models import CausalLMLoss, PatchReport, patch_model
@@ -38,6 +39,7 @@ from ligertune.recipe import (
     KernelsConfig,
     LoraConfig,
     LossConfig,
+    ModelConfig,
     OptimConfig,
     Recipe,
     TrainConfig,
@@ -45,7 +47,15 @@ from ligertune.recipe import (
 from ligertune.training import precision
 from ligertune.training.adamw import AdamW
 from ligertune.training.lion import Lion
+from ligertune.training.memory import (
+    CheckpointPlanner,
+    default_budget_gib,
+    device_allocator,
+    fixed_offload,
+    set_checkpointed,
+)
 from ligertune.training.optim import lr_multiplier, warmup_length
+from ligertune.training.run import Run
 
 
 def build_device(cfg: TrainConfig) -> torch.device:
@@ -62,12 +72,14 @@ def build_device(cfg: TrainConfig) -> torch.device:
 
 @dataclass
 class TrainingData:
-    """The tokenized conversations of a run and their packs."""
+    """The tokenized conversations of a run and their packs, and what a run says of them before its
+    first step (`data_warnings`)."""
 
     prepared: PreparedData
     eval_examples: list[TokenizedExample]
     train_packs: list[Pack]
     eval_packs: list[Pack]
+    warnings: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def train_examples(self) -> list[TokenizedExample]:
@@ -80,7 +92,10 @@ def build_packs(cfg: DataConfig, examples: list[TokenizedExample]) -> list[Pack]
 
 
 def build_data(recipe: Recipe, tokenizer, *, show_progress: bool = True) -> TrainingData:
-    """Read, tokenize, mask and pack the recipe's training and held-out conversations."""
+    """Read, tokenize, mask and pack the recipe's training and held-out conversations, once
+    `data.max_seq_len` is known to fit the model (`check_max_seq_len`); `warnings` of the result
+    says what was left out on the way."""
+    check_max_seq_len(recipe, vocab_size=len(tokenizer))
     prepared = prepare_data(recipe.data, tokenizer, seed=recipe.train.seed, show_progress=show_progress)
     if not prepared.train:
         raise UserError("data: no trainable conversation left after masking and truncation")
@@ -91,7 +106,73 @@ def build_data(recipe: Recipe, tokenizer, *, show_progress: bool = True) -> Trai
         eval_examples=eval_examples,
         train_packs=build_packs(recipe.data, prepared.train),
         eval_packs=build_packs(recipe.data, eval_examples),
+        warnings=data_warnings(recipe, prepared),
     )
+
+
+def data_warnings(recipe: Recipe, prepared: PreparedData) -> list[str]:
+    """`key: message` for what the data lost that a run should say before its first step (`ligertune
+    data` shows the same counts): malformed records skipped (`data.on_bad_record: skip`), conversations
+    dropped or shortened to fit `data.max_seq_len`, conversations with no trained token, and
+    evaluation asked for (`data.eval_fraction`, `train.eval_every`) with no held-out conversation."""
+    cfg, stats = recipe.data, prepared.stats
+    found = []
+    if stats.bad_records:
+        first = f"; the first: {stats.bad_record_examples[0]}" if stats.bad_record_examples else ""
+        found.append(f"data.on_bad_record: skipped {_count(stats.bad_records, 'malformed record')}{first}")
+    too_long = stats.dropped.get("too_long", 0)
+    if too_long:
+        why = "data.truncation: drop" if cfg.truncation == "drop" else "not even their first answer fits"
+        found.append(f"data.max_seq_len: dropped {_count(too_long, 'conversation')} longer than "
+                     f"{cfg.max_seq_len} tokens ({why})")
+    truncated = sum(stats.truncated.values())
+    if truncated:
+        found.append(f"data.truncation: shortened {_count(truncated, 'conversation')} longer than "
+                     f"data.max_seq_len ({cfg.max_seq_len} tokens) by {_count(stats.turns_removed, 'trailing turn')}")
+    untrained = stats.dropped.get("no_trained_tokens", 0)
+    if untrained:
+        found.append(f"data.train_on: dropped {_count(untrained, 'conversation')} with no trained token "
+                     f"(train_on: {cfg.train_on})")
+    if not prepared.eval and cfg.eval_fraction > 0:
+        found.append(f"data.eval_fraction: {cfg.eval_fraction:g} held out no conversation (a source needs at "
+                     "least 2 to give one): no evaluation will run")
+    elif not prepared.eval and recipe.train.eval_every is not None:
+        found.append("train.eval_every: there is no held-out data (data.eval_path or data.eval_fraction): "
+                     "no evaluation will run")
+    return found
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'s' * (n != 1)}"
+
+
+def check_max_seq_len(recipe: Recipe, *, vocab_size: int | None) -> None:
+    """Refuse a `data.max_seq_len` beyond the model's positions, the `max_position_embeddings` of its
+    own config: a conversation that long would run past the position embeddings (or the rotary
+    range) the model has. Found before any data is read; a config that cannot be read without the
+    model (a hub id not in the local cache) is not checked here."""
+    limit = position_limit(recipe.model, vocab_size=vocab_size)
+    if limit is not None and recipe.data.max_seq_len > limit:
+        raise UserError(f"data.max_seq_len: {recipe.data.max_seq_len} is more than the model's {limit} "
+                        f"positions (max_position_embeddings in its config); give at most {limit}")
+
+
+def position_limit(model_cfg: ModelConfig, *, vocab_size: int | None) -> int | None:
+    """`max_position_embeddings` of the model's config: built from `model.config`, or read from the
+    local folder or hub cache of `model.name_or_path`; None where there is none to read."""
+    from transformers import AutoConfig
+
+    remote = model_cfg.trust_remote_code
+    if model_cfg.config is not None:
+        config = models.build_config(model_cfg.config, vocab_size=vocab_size, trust_remote_code=remote)
+    else:
+        try:
+            config = AutoConfig.from_pretrained(model_cfg.name_or_path, trust_remote_code=remote,
+                                                local_files_only=True)
+        except (OSError, ValueError, KeyError):
+            return None  # the model's loader says why, with the hub's state
+    limit = getattr(config, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
 
 
 def total_steps(cfg: TrainConfig, n_packs: int, world_size: int = 1) -> int:
@@ -405,6 +486,58 @@ def schedule_warnings(cfg: OptimConfig, total_steps: int) -> list[str]:
     return [f"optim.warmup_steps: {cfg.warmup_steps} warmup steps is longer than the run ({total_steps} "
             f"step{'s' * (total_steps != 1)}): the warmup is cut to {warmup}, so the learning rate rises over "
             "the whole run and never decays (optim.warmup_ratio scales the warmup with the run)"]
+
+
+# --------------------------------------------------------------------------------------------------
+# the run's step
+
+
+def build_run(recipe: Recipe, model: nn.Module, *, device: torch.device, total_steps: int,
+              topology: Topology | None = None, mixed_precision: torch.dtype | None = None, **parts) -> Run:
+    """What one training step needs, around `model` (from `build_model`): the objective, the loss
+    head (sharded over the processes of `topology`), the optimizer, the schedule over `total_steps`
+    and the gradient checkpointing of `train.gradient_checkpointing`. `parts` are the `Run`'s other
+    fields (its data and outputs); `bench step` times the step of a run built with none."""
+    from ligertune.distributed import shard
+    from ligertune.objectives import build_objective
+
+    topology = topology or Topology()
+    head = build_head(model, recipe.kernels, recipe.loss)
+    engine = head
+    if topology.distributed:
+        engine = shard(head, models.decoder_of(model).layers, strategy=strategy(recipe), device=device,
+                       mixed_precision=mixed_precision)
+    optimizer = build_optimizer(model, recipe.optim)
+    run = Run(recipe=recipe, device=device, model=model, head=head, objective=build_objective(recipe),
+              optimizer=optimizer, scheduler=build_scheduler(optimizer, recipe.optim, total_steps=total_steps),
+              total_steps=total_steps, topology=topology, engine=engine, **parts)
+    run.checkpointing = checkpointing_policy(recipe.train, model, device, optimizer)
+    layers = models.decoder_of(model).layers
+    run.offload = (run.checkpointing.offloader if isinstance(run.checkpointing, CheckpointPlanner)
+                   else fixed_offload(recipe.train, layers, device))
+    return run
+
+
+def checkpointing_policy(cfg: TrainConfig, model: nn.Module, device: torch.device,
+                         optimizer: torch.optim.Optimizer) -> CheckpointPlanner | int | None:
+    """What `train.gradient_checkpointing` makes of the model's decoder layers (`training.memory`):
+    None (off), the number of layers recomputed, or the planner of `auto`."""
+    layers = models.decoder_of(model).layers
+    if cfg.gradient_checkpointing is False:
+        return None
+    if cfg.gradient_checkpointing is True:
+        return len(layers)
+    allocator = device_allocator(device)
+    if allocator is None:
+        set_checkpointed(layers, 0)  # no device memory to budget
+        return 0
+    budget = cfg.memory_budget_gib if cfg.memory_budget_gib is not None else default_budget_gib(device)
+    return CheckpointPlanner(model, layers, allocator, budget, offload=cfg.activation_offload, optimizer=optimizer)
+
+
+def strategy(recipe: Recipe) -> str:
+    """How several processes share the model: `distributed.strategy`, `auto` being FSDP."""
+    return "ddp" if recipe.distributed.strategy == "ddp" else "fsdp"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,134 +1,135 @@
-"""A run's files, written so that none is ever left half-written.
+"""A run's checkpoints: written, found, verified and restored in this one module.
 
     OUTPUT/
       recipe.yaml                 the resolved recipe
-      metrics.jsonl               one JSON object per record, strict JSON (no NaN literals)
+      metrics.jsonl               one JSON object per record (`ligertune.metrics`)
       checkpoints/
         step-000200/              model (or LoRA adapters) + tokenizer, Hugging Face format,
           optimizer/              the optimizer state (torch.distributed.checkpoint, any world size)
-          trainer_state.pt        and the rest of the run: schedule, RNG, data position
+          trainer_state.pt        and the rest of the run: its `RunState`, schedule, RNG, recipe
         step-000400/
         latest -> step-000400     a symbolic link, moved only once its target is complete
       final/                      the model at the end of the run
       .lock                       the PID of the process writing here
 
-A directory is written into a temporary sibling (`.step-000400.tmp-*`), every file fsynced, then
-renamed into place; `latest` is then replaced by a new link in one rename. A crash or a failed write
-at any point leaves the previous checkpoint and `latest` as they were.
+A checkpoint is written into a temporary sibling (`.step-000400.tmp-*`), every file fsynced, then
+renamed into place (`ligertune.files`); `latest` is then replaced by a new link in one rename. A
+crash or a failed write at any point leaves the previous checkpoint and `latest` as they were.
+
+`save_checkpoint` and `restore_checkpoint` are the pair: what one writes under `TrainerState`'s
+keys, the other reads back. Before a checkpoint is used, `find_checkpoint` verifies its files (the
+trainer state loads, every weights file's header and sizes are whole, the optimizer's metadata is
+there); a damaged `latest` gives way to the newest complete checkpoint, with a notice.
 """
 
 from __future__ import annotations
 
-import json
-import math
+import contextlib
 import os
 import re
 import shutil
-import tempfile
+import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
-from ligertune.distributed import barrier, broadcast_from_main, is_main_process, together
-from ligertune.errors import UserError
+from ligertune.distributed import all_reduce_max, barrier, gather_objects, is_main_process
+from ligertune.errors import EnvironmentFault, UserError
+from ligertune.files import fsync_dir, write_atomic_dir
+from ligertune.training.run import Run, TrainingDiverged
+from ligertune.training.run_dir import CHECKPOINTS
+from ligertune.training.state import RunState, capture_rng, restore_rng
+from ligertune.weights import DamagedFile, check_safetensors, load_torch_file
 
-CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.pt"
 OPTIMIZER = "optimizer"
+FORMAT = 2
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
 
-# --------------------------------------------------------------------------------------------------
-# atomic writes
+class TrainerState:
+    """The keys of `trainer_state.pt`: everything of a run that is neither weights nor optimizer."""
 
-
-def write_atomic_dir(target: Path, write: Callable[[Path], None]) -> Path:
-    """Fill a temporary sibling directory with `write(tmp)`, fsync it, then rename it onto `target`.
-
-    A crash leaves either the previous `target` or the new one, never a mix; the temporary
-    directory of a failed (or interrupted) write is removed. With several processes, every rank
-    calls this together: each runs `write` into the same temporary directory, and rank 0 renames it
-    once every rank has succeeded.
-    """
-    main = is_main_process()
-    tmp = None
-    if main:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    tmp = Path(broadcast_from_main(str(tmp)))
-    try:
-        together(lambda: write(tmp))
-        if main:
-            _settle_tree(tmp)
-            if target.exists():
-                old = target.with_name(f".{target.name}.old-{os.getpid()}")
-                os.replace(target, old)
-                os.replace(tmp, target)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, target)
-            _fsync_dir(target.parent)
-    except BaseException:
-        if main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
-
-
-def write_atomic_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with tmp.open("w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _settle_tree(root: Path) -> None:
-    """Give every folder and file the mode the umask sets (mkdtemp and some writers, safetensors
-    among them, create theirs private), and fsync each, so the rename publishes complete files."""
-    mask = _umask()
-    for folder, _, files in os.walk(root):
-        os.chmod(folder, 0o777 & ~mask)
-        for name in files:
-            path = os.path.join(folder, name)
-            os.chmod(path, 0o666 & ~mask)
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(folder))
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # some platforms cannot open a directory; the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    FORMAT = "format"
+    WORLD_SIZE = "world_size"
+    """The number of processes that wrote it (the resume check compares the step's packs)."""
+    RUN = "run"
+    """`RunState.to_dict()`: step, data position, skip and spike counts, losses so far."""
+    SCHEDULER = "scheduler"
+    RNG = "rng"
+    """Every rank's RNG states (`state.capture_rng`), rank 0's first."""
+    RECIPE = "recipe"
+    """The resolved recipe (the resume check compares it)."""
 
 
 # --------------------------------------------------------------------------------------------------
-# checkpoints
+# save and restore
+
+
+def save_checkpoint(run: Run) -> Path:
+    """A checkpoint of the whole run at this step (every rank takes part): the model in Hugging Face
+    format (gathered on rank 0 when sharded), the optimizer state through
+    `torch.distributed.checkpoint` (sharded: each rank writes its part, and any world size reads it
+    back) and the trainer state. Returns the checkpoint's folder."""
+    check_finite_weights(run)
+    model_state = gathered_model_state(run)
+    optimizer_state = get_optimizer_state_dict(run.head, run.optimizer)
+    trainer_state = {
+        TrainerState.FORMAT: FORMAT,
+        TrainerState.WORLD_SIZE: run.topology.world_size,
+        TrainerState.RUN: run.state.to_dict(),
+        TrainerState.SCHEDULER: run.scheduler.state_dict(),
+        TrainerState.RNG: gather_objects(capture_rng()),
+        TrainerState.RECIPE: run.recipe.to_dict(),
+    }
+
+    def write(folder: Path) -> None:
+        with written(run.output_dir, "checkpoint"):
+            with one_process_is_intended():
+                dcp.save({"optimizer": optimizer_state}, checkpoint_id=folder / OPTIMIZER,
+                         no_dist=not run.topology.distributed)
+            save_pretrained(folder, run.model, run.tokenizer, state_dict=model_state)
+            if run.topology.is_main:
+                torch.save(trainer_state, folder / TRAINER_STATE)
+
+    return publish_checkpoint(run.output_dir, run.state.step, write, keep=run.recipe.train.keep_checkpoints)
+
+
+def restore_checkpoint(run: Run, checkpoint: Path, saved: dict) -> None:
+    """Continue from `checkpoint` (`saved`: its trainer state): optimizer, schedule, run state and
+    RNG as they were, at this world size or another. The weights were loaded before the model was
+    sharded (`load_model_weights`)."""
+    load_optimizer_state(run, checkpoint / OPTIMIZER)
+    run.scheduler.load_state_dict(saved[TrainerState.SCHEDULER])
+    # Format 1 kept the last loss and the held-out losses beside the run state.
+    earlier = {key: saved[key] for key in ("last_loss", "eval_losses") if key in saved}
+    run.state = RunState.from_dict({**earlier, **saved[TrainerState.RUN]})
+    rngs = saved[TrainerState.RNG]
+    same_world = len(rngs) == run.topology.world_size
+    restore_rng(rngs[run.topology.rank] if same_world else rngs[0])  # last: building drew from them
+
+
+def save_final(run: Run) -> Path:
+    """The model at the end of the run, in `final/`."""
+    check_finite_weights(run)
+    model_state = gathered_model_state(run)
+
+    def write(folder: Path) -> None:
+        with written(run.output_dir, "final model"):
+            save_pretrained(folder, run.model, run.tokenizer, state_dict=model_state)
+
+    return write_atomic_dir(run.output_dir / "final", write)
 
 
 def save_pretrained(folder: Path, model: Any, tokenizer: Any, *, state_dict: dict | None = None) -> None:
@@ -139,12 +140,139 @@ def save_pretrained(folder: Path, model: Any, tokenizer: Any, *, state_dict: dic
         tokenizer.save_pretrained(folder)
 
 
+def gathered_model_state(run: Run) -> dict | None:
+    """The whole model's weights on rank 0's CPU when the model is sharded (None otherwise: the
+    model saves itself). A weight tied to another (embeddings and output projection) is kept once,
+    under its first name, as one process saves it: the same model is the same files whatever the
+    world size."""
+    if not run.topology.distributed:
+        return None
+    state = get_model_state_dict(run.head, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not run.topology.is_main:
+        return None
+    prefix = "model."  # the head holds the model as `self.model`
+    tied = tied_names(run.model)
+    return {k[len(prefix):]: v for k, v in state.items() if k[len(prefix):] not in tied}
+
+
+def tied_names(model: nn.Module) -> set[str]:
+    """The names of parameters that share their tensor with a parameter named before them."""
+    first: dict[int, str] = {}
+    later = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            later.add(name)
+        else:
+            first[id(p)] = name
+    return later
+
+
+def load_optimizer_state(run: Run, folder: Path) -> None:
+    """The optimizer state of a checkpoint, resharded to this run's processes."""
+    state = {"optimizer": get_optimizer_state_dict(run.head, run.optimizer)}
+    with one_process_is_intended():
+        dcp.load(state, checkpoint_id=folder, no_dist=not run.topology.distributed)
+    set_optimizer_state_dict(run.head, run.optimizer, state["optimizer"])
+
+
+def load_model_weights(model: nn.Module, checkpoint: Path) -> None:
+    """Put the checkpoint's weights (the LoRA adapters, or the whole model) into `model` in place."""
+    from safetensors.torch import load_file
+
+    adapters = checkpoint / "adapter_model.safetensors"
+    if adapters.is_file():
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, load_file(adapters))
+        if getattr(result, "unexpected_keys", None):
+            raise UserError(f"--resume: {adapters} does not fit the recipe's adapters "
+                            f"(unexpected {result.unexpected_keys[0]})")
+        return
+    files = sorted(checkpoint.glob("model*.safetensors"))
+    if not files:
+        raise UserError(f"--resume: {checkpoint} holds no model weights (model*.safetensors)")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(file))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    untied = [key for key in missing if not _is_tied(model, key, state)]
+    if unexpected or untied:
+        key = (unexpected or untied)[0]
+        raise UserError(f"--resume: the weights in {checkpoint} do not fit the recipe's model ({key})")
+
+
+def _is_tied(model: nn.Module, key: str, loaded: dict[str, torch.Tensor]) -> bool:
+    """Whether parameter `key` shares its tensor with one that was loaded (tied embeddings)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    target = params.get(key)
+    return target is not None and any(p is target for name, p in params.items() if name in loaded)
+
+
+def check_finite_weights(run: Run) -> None:
+    """No file the run writes may hold a NaN or infinite weight (checked on every shard)."""
+    local = [(p.detach().to_local() if hasattr(p, "to_local") else p.detach()) for p in run.trainable]
+    broken = torch.stack([(~t.isfinite()).any() for t in local]).any().double()
+    if all_reduce_max(broken).item():
+        raise TrainingDiverged(f"step {run.state.step}: a trainable weight is not finite; nothing was saved")
+
+
+@contextlib.contextmanager
+def one_process_is_intended() -> Iterator[None]:
+    """`torch.distributed.checkpoint` warns whenever it runs without a process group, even when
+    asked to; a run of one process asks to."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+@contextlib.contextmanager
+def written(run_dir: Path, what: str) -> Iterator[None]:
+    """Turn a failed write (full disk, a file-size limit, permissions) into one line naming the path
+    and the cause; the temporary files are gone already and the previous checkpoint is intact."""
+    try:
+        yield
+    except (Exception, CheckpointException) as err:  # the distributed writer's is a BaseException
+        cause = write_failure(err)
+        if cause is None:
+            raise
+        try:
+            free = f" ({shutil.disk_usage(run_dir).free / 2**20:,.0f} MiB free there)"
+        except OSError:
+            free = ""
+        latest = latest_checkpoint(run_dir)
+        kept = f"; the last checkpoint {latest} is intact" if latest else ""
+        raise EnvironmentFault(f"cannot write the {what} in {run_dir}{cause}{free}{kept}") from None
+
+
+def write_failure(err: BaseException) -> str | None:
+    """What a failed write says (": cause", with the file where known), or None for an error of
+    another kind. The distributed writer wraps each rank's error; torch's writer raises a
+    RuntimeError without the system's reason, safetensors' names the OS error's code."""
+    if isinstance(err, CheckpointException):
+        causes = [e for e, _ in err.failures.values() if write_failure(e) is not None]
+        return write_failure(causes[0]) if causes else None
+    if isinstance(err, OSError):
+        where = f" ({err.filename})" if err.filename else ""
+        return f"{where}: {err.strerror or err}"
+    text = str(err)
+    code = re.search(r"Os \{ code: (\d+)", text)
+    if code:
+        return f": {os.strerror(int(code.group(1)))}"
+    if "file write failed" in text or "failed writing" in text:
+        return ": a file write failed"
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# the checkpoints of a run folder
+
+
 def checkpoint_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
 def checkpoint_steps(folder: Path) -> list[tuple[int, Path]]:
-    """The complete checkpoints under `folder` (`step-*` directories), oldest first."""
+    """The checkpoints under `folder` (`step-*` directories), oldest first."""
     if not folder.is_dir():
         return []
     found = []
@@ -155,7 +283,7 @@ def checkpoint_steps(folder: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def save_checkpoint(run_dir: Path, step: int, write: Callable[[Path], None], *, keep: int) -> Path:
+def publish_checkpoint(run_dir: Path, step: int, write: Callable[[Path], None], *, keep: int) -> Path:
     """Write checkpoint `step` with `write(folder)` (on every rank), point `latest` at it, then remove
     the oldest checkpoints beyond `keep`."""
     folder = run_dir / CHECKPOINTS
@@ -179,11 +307,11 @@ def point_latest(folder: Path, name: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(folder)
+    fsync_dir(folder)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The checkpoint `latest` points at, if it is complete."""
+    """The checkpoint `latest` points at, if it has its trainer state."""
     link = run_dir / CHECKPOINTS / LATEST
     if not link.is_symlink():
         return None
@@ -192,7 +320,67 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def load_trainer_state(checkpoint: Path) -> dict:
-    return torch.load(checkpoint / TRAINER_STATE, map_location="cpu", weights_only=True)
+    """The trainer state of `checkpoint`; `DamagedFile` (a user error naming the file) when it is
+    cut short, garbage, or holds what a safe load refuses."""
+    saved = load_torch_file(checkpoint / TRAINER_STATE)
+    if not isinstance(saved, dict) or not {TrainerState.RUN, TrainerState.RECIPE} <= saved.keys():
+        raise DamagedFile(f"{checkpoint / TRAINER_STATE}: not a ligertune trainer state")
+    return saved
+
+
+def verify_checkpoint(checkpoint: Path) -> dict:
+    """Check every file of `checkpoint` that a resume reads, before anything is built from it, and
+    return its trainer state: the trainer state loads, each weights file's header and sizes are
+    whole, the optimizer state has its metadata. Raises `DamagedFile` naming the first bad file."""
+    saved = load_trainer_state(checkpoint)
+    weights = sorted(checkpoint.glob("adapter_model.safetensors")) or sorted(checkpoint.glob("model*.safetensors"))
+    if not weights:
+        raise DamagedFile(f"{checkpoint}: no model weights (model*.safetensors or adapter_model.safetensors)")
+    for file in weights:
+        check_safetensors(file)
+    metadata = checkpoint / OPTIMIZER / ".metadata"
+    if not metadata.is_file() or metadata.stat().st_size == 0:
+        raise DamagedFile(f"{metadata}: missing or empty (the optimizer state)")
+    for file in (checkpoint / OPTIMIZER).iterdir():
+        if file.is_file() and file.stat().st_size == 0:
+            raise DamagedFile(f"{file}: empty (the optimizer state)")
+    return saved
+
+
+def find_checkpoint(run_dir: Path, resume: str | Path, *, notice: Callable[[str], None]) -> tuple[Path, dict]:
+    """The checkpoint to continue from, verified, and its trainer state: `latest` of the run
+    directory, or the given checkpoint or run directory. A damaged checkpoint named on the command
+    line is refused; a damaged `latest` gives way to the newest complete one, with a `notice`
+    naming what was passed over."""
+    path = run_dir if str(resume) == "latest" else Path(resume).expanduser()
+    if path.is_dir() and (path / TRAINER_STATE).exists():
+        try:
+            return path.resolve(), verify_checkpoint(path)
+        except DamagedFile as err:
+            raise UserError(f"--resume: the checkpoint is damaged: {err}") from None
+    candidates = [p for _, p in reversed(checkpoint_steps(path / CHECKPOINTS))]
+    latest = (path / CHECKPOINTS / LATEST)
+    if latest.is_symlink() and latest.resolve() in candidates:  # `latest` first, then the newest
+        candidates.remove(latest.resolve())
+        candidates.insert(0, latest.resolve())
+    damaged = []
+    for checkpoint in candidates:
+        try:
+            saved = verify_checkpoint(checkpoint)
+        except DamagedFile as err:
+            damaged.append(str(err))
+            continue
+        if damaged:
+            notice(f"--resume: passed over {len(damaged)} damaged checkpoint{'s' * (len(damaged) > 1)} "
+                   f"({'; '.join(damaged)}); resuming from {checkpoint}")
+        return checkpoint, saved
+    if damaged:
+        raise UserError(f"--resume: every checkpoint in {path / CHECKPOINTS} is damaged, the newest: {damaged[0]}")
+    if str(resume) == "latest":
+        raise UserError(f"--resume: no checkpoint in {path / CHECKPOINTS} to resume from "
+                        "(train.save_every writes them)")
+    raise UserError(f"--resume: {resume} is not a checkpoint (no {TRAINER_STATE}) nor a run directory "
+                    "with checkpoints")
 
 
 def remove_stale_temporaries(run_dir: Path) -> None:
@@ -206,66 +394,3 @@ def remove_stale_temporaries(run_dir: Path) -> None:
                     shutil.rmtree(path, ignore_errors=True)
                 else:
                     path.unlink(missing_ok=True)
-
-
-# --------------------------------------------------------------------------------------------------
-# metrics
-
-
-def strict_json(record: dict) -> dict:
-    """The record with non-finite numbers as null: JSON has no NaN or Infinity."""
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """The records of a metrics.jsonl. A cut last line (a run killed mid-write) is skipped; any
-    other line that is not a JSON object with a numeric `step` is an error naming the file and line."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise UserError(f"{path}: not found") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise UserError(f"{path}: cannot read: {err}") from None
-    records = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            if number == len(lines):
-                break
-            raise UserError(f"{path}:{number}: not a JSON object") from None
-        if not isinstance(record, dict) or not isinstance(record.get("step"), (int, float)):
-            raise UserError(f"{path}:{number}: a record needs a numeric `step`")
-        records.append(record)
-    return records
-
-
-class MetricsLog:
-    """`metrics.jsonl`: one JSON object per line, flushed as written so a crash keeps what was logged.
-
-    `resume_after=k` continues a run from its checkpoint at step k: the records the interrupted run
-    wrote after step k are dropped, so the file reads as one run.
-    """
-
-    def __init__(self, path: Path | None, *, resume_after: int | None = None):
-        self._file = None
-        if path is None:  # a rank other than 0: nothing is written
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_after is not None:
-            records = read_metrics(path) if path.exists() else []
-            kept = [r for r in records if r["step"] <= resume_after]
-            write_atomic_text(path, "".join(json.dumps(r) + "\n" for r in kept))
-        self._file = path.open("a" if resume_after is not None else "w", encoding="utf-8")
-
-    def write(self, record: dict) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
-            self._file.flush()
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None

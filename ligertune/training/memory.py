@@ -308,6 +308,12 @@ class CudaAllocator:
         return torch.cuda.max_memory_allocated(self.device)
 
 
+def default_budget_gib(device: torch.device) -> float:
+    """`train.memory_budget_gib` left unset: 90% of the device's memory, room for the allocator's
+    fragmentation and the CUDA context."""
+    return 0.9 * torch.cuda.get_device_properties(device).total_memory / GIB
+
+
 def device_allocator(device: torch.device) -> CudaAllocator | None:
     """The allocator to measure on; None where there is none to read (the CPU)."""
     return CudaAllocator(device) if device.type == "cuda" else None

@@ -1,4 +1,4 @@
-"""Continuing a run from a checkpoint: which one, whether the recipe still fits it, and its weights.
+"""Whether a recipe may continue a checkpoint's run (`ligertune.training.checkpoint` finds and restores it).
 
 A run continues only under the math it started with. Keys that change what a step computes (the
 model, the data and its settings, the batch, the seed, the loss, LoRA, the optimizer, its clipping
@@ -13,12 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
-
 from ligertune.errors import UserError
 from ligertune.recipe import Recipe
-from ligertune.training.checkpoint import CHECKPOINTS, TRAINER_STATE, latest_checkpoint
 
 RESUMABLE_CHANGES = (
     "description",
@@ -43,23 +39,6 @@ RESUMABLE_CHANGES = (
     "distributed.",
     "output.",
 )
-
-
-def find_checkpoint(run_dir: Path, resume: str | Path) -> Path:
-    """The checkpoint to continue from: `latest` of the run directory, or the given one."""
-    if str(resume) == "latest":
-        found = latest_checkpoint(run_dir)
-        if found is None:
-            raise UserError(f"--resume: no checkpoint in {run_dir / CHECKPOINTS} to resume from "
-                            "(train.save_every writes them)")
-        return found
-    path = Path(resume).expanduser()
-    if path.is_dir() and (path / TRAINER_STATE).is_file():
-        return path.resolve()
-    if path.is_dir() and latest_checkpoint(path) is not None:  # a run directory
-        return latest_checkpoint(path)
-    raise UserError(f"--resume: {resume} is not a checkpoint (no {TRAINER_STATE}) nor a run directory "
-                    "with checkpoints")
 
 
 def check_resumable(saved: dict, recipe: Recipe, checkpoint: Path, *, world_size: int = 1) -> None:
@@ -96,36 +75,3 @@ def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
             flat.update(_flatten(value, f"{prefix}{key}."))
         return flat
     return {prefix[:-1]: data}
-
-
-def load_model_weights(model: nn.Module, checkpoint: Path) -> None:
-    """Put the checkpoint's weights (the LoRA adapters, or the whole model) into `model` in place."""
-    from safetensors.torch import load_file
-
-    adapters = checkpoint / "adapter_model.safetensors"
-    if adapters.is_file():
-        from peft import set_peft_model_state_dict
-
-        result = set_peft_model_state_dict(model, load_file(adapters))
-        if getattr(result, "unexpected_keys", None):
-            raise UserError(f"--resume: {adapters} does not fit the recipe's adapters "
-                            f"(unexpected {result.unexpected_keys[0]})")
-        return
-    files = sorted(checkpoint.glob("model*.safetensors"))
-    if not files:
-        raise UserError(f"--resume: {checkpoint} holds no model weights (model*.safetensors)")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        state.update(load_file(file))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    untied = [key for key in missing if not _is_tied(model, key, state)]
-    if unexpected or untied:
-        key = (unexpected or untied)[0]
-        raise UserError(f"--resume: the weights in {checkpoint} do not fit the recipe's model ({key})")
-
-
-def _is_tied(model: nn.Module, key: str, loaded: dict[str, torch.Tensor]) -> bool:
-    """Whether parameter `key` shares its tensor with one that was loaded (tied embeddings)."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    target = params.get(key)
-    return target is not None and any(p is target for name, p in params.items() if name in loaded)

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ligertune.errors import UserError
-from ligertune.training.checkpoint import CHECKPOINTS
 
+CHECKPOINTS = "checkpoints"
 LOCK = ".lock"
 RUN_FILES = ("metrics.jsonl", CHECKPOINTS, "final")
 

@@ -37,6 +37,10 @@ class RunState:
     recent_losses: list[float] = field(default_factory=list)
     """The spike watch's window: the last `train.spike_window` finite step losses, oldest first (saved
     with the run, so that a resumed run judges its steps against the same losses)."""
+    last_loss: float | None = None
+    """The loss of the last step that updated the model (the summary's final train loss)."""
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    """Every held-out loss of the run so far, as (step, loss)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -44,7 +48,9 @@ class RunState:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RunState":
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        return cls(**known)
+        state = cls(**known)
+        state.eval_losses = [tuple(x) for x in state.eval_losses]
+        return state
 
 
 class PackStream:

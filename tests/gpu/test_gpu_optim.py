@@ -17,9 +17,9 @@ from ligertune.numerics import relative_error
 from ligertune.recipe import OptimConfig, load_recipe
 from ligertune.training.adamw import AdamW
 from ligertune.training.build import build_optimizer
-from ligertune.training.checkpoint import read_metrics
+from ligertune.metrics import read_metrics
 from ligertune.training.lion import Lion
-from ligertune.training.trainer import cleanup, setup, train_loop
+from ligertune.training import cleanup, setup, train_loop
 
 pytestmark = pytest.mark.gpu
 

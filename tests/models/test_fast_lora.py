@@ -581,7 +581,7 @@ def test_shared_lora_a_gradients(dtype):
 
 def train_run(path: Path, *overrides: str):
     """`ligertune train` of the recipe at `path`: the run's state and its metrics records."""
-    from ligertune.training.trainer import cleanup, setup, train_loop
+    from ligertune.training import cleanup, setup, train_loop
 
     state = setup(load_recipe(path, list(overrides)), Console(quiet=True))
     try:

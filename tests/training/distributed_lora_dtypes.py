@@ -19,7 +19,7 @@ from rich.console import Console
 
 from ligertune.distributed import destroy_process_group, full_tensor, topology_from_environment
 from ligertune.recipe import load_recipe
-from ligertune.training import build, trainer
+from ligertune.training import build, forward_backward, next_batches, trainer
 from ligertune.training.precision import local
 
 
@@ -29,7 +29,7 @@ def one_step(recipe_path: str, overrides: list[str], out_dir: Path) -> dict:
     run = trainer.setup(recipe, Console(quiet=True))
     try:
         dtypes = {name: (local(p).dtype, p.requires_grad) for name, p in run.model.named_parameters()}
-        totals = trainer.forward_backward(run, trainer.next_batches(run), backward=True)
+        totals = forward_backward(run, next_batches(run), backward=True)
         loss = full_tensor(totals["loss"]).double()
         if run.topology.distributed:
             torch.distributed.all_reduce(loss)

@@ -12,7 +12,7 @@ from test_spikes import spike_at
 
 from ligertune.distributed import destroy_process_group
 from ligertune.recipe import load_recipe
-from ligertune.training.trainer import cleanup, setup, train_loop
+from ligertune.training import cleanup, setup, train_loop
 
 if __name__ == "__main__":
     recipe_path, step, *overrides = sys.argv[1:]

@@ -16,7 +16,7 @@ from rich.console import Console
 
 from ligertune.distributed import destroy_process_group, full_tensor, topology_from_environment
 from ligertune.recipe import load_recipe
-from ligertune.training.trainer import cleanup, forward_backward, next_batches, setup
+from ligertune.training import cleanup, forward_backward, next_batches, setup
 
 MODES = ("token", "sequence", "sum")
 

@@ -17,8 +17,8 @@ from ligertune.distributed import split_packs
 from ligertune.numerics import relative_error
 from ligertune.recipe import load_recipe
 from ligertune.training.build import FsdpDtypes, fsdp_dtypes
-from ligertune.training.checkpoint import read_metrics
-from ligertune.training.trainer import cleanup, setup, train_loop
+from ligertune.metrics import read_metrics
+from ligertune.training import cleanup, setup, train_loop
 from distributed_lora_dtypes import one_step
 from distributed_step import MODES, step_gradients
 from tiny_recipe import TINY_MODEL, write_recipe

@@ -11,11 +11,11 @@ import torch
 from rich.console import Console
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import ligertune.training.trainer as trainer_module
+import ligertune.training.build as trainer_module
 from ligertune.models import decoder_of
 from ligertune.recipe import load_recipe
 from ligertune.training.build import enable_gradient_checkpointing
-from ligertune.training.checkpoint import read_metrics
+from ligertune.metrics import read_metrics
 from ligertune.training.memory import (
     GIB,
     CheckpointPlanner,
@@ -24,7 +24,7 @@ from ligertune.training.memory import (
     plan_checkpointing,
     set_checkpointed,
 )
-from ligertune.training.trainer import cleanup, setup, train_loop
+from ligertune.training import cleanup, setup, train_loop
 from tiny_recipe import TINY_MODEL, write_recipe
 
 

@@ -287,7 +287,7 @@ def test_lion_trains_lora_adapters_only(tmp_path: Path):
     from tiny_recipe import write_recipe
 
     from ligertune.recipe import load_recipe
-    from ligertune.training.trainer import cleanup, setup, train_loop
+    from ligertune.training import cleanup, setup, train_loop
 
     path = write_recipe(tmp_path, lora={"r": 4, "alpha": 8}, optim={"name": "lion", "lr": 3e-4},
                         train={"max_steps": 2, "eval_every": None})

@@ -21,7 +21,7 @@ from ligertune.models import build_model, is_patched, output_head_of, unwrap_mod
 from ligertune.models.quantize import dequantize_weight, layer_quantization, quantization_of
 from ligertune.recipe import load_recipe
 from ligertune.training.checkpoint import latest_checkpoint
-from ligertune.training.trainer import RunInterrupted, cleanup, setup, train_loop
+from ligertune.training import RunInterrupted, cleanup, setup, train_loop
 from tiny_recipe import TINY_MODEL, write_recipe
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,

@@ -17,8 +17,9 @@ from rich.console import Console
 from ligertune.errors import EnvironmentFault, UserError
 from ligertune.recipe import load_recipe
 from ligertune.training import checkpoint as checkpoint_module
-from ligertune.training.checkpoint import latest_checkpoint, load_trainer_state, read_metrics
-from ligertune.training.trainer import RunInterrupted, TrainingDiverged, cleanup, setup, train_loop
+from ligertune.metrics import read_metrics
+from ligertune.training.checkpoint import latest_checkpoint, load_trainer_state
+from ligertune.training import RunInterrupted, TrainingDiverged, cleanup, setup, train_loop
 from tiny_recipe import write_recipe
 
 TIMINGS = ("tokens_per_s", "trained_tokens_per_s", "eval_s", "save_s", "peak_mem_gib")

@@ -11,7 +11,7 @@ from rich.console import Console
 from transformers import AutoModelForCausalLM
 
 from ligertune.recipe import load_recipe
-from ligertune.training.trainer import cleanup, setup, train_loop
+from ligertune.training import cleanup, setup, train_loop
 from tiny_recipe import write_recipe
 
 
@@ -140,7 +140,7 @@ def test_a_run_sends_its_metrics_to_tensorboard_and_draws_its_loss(tmp_path: Pat
 def test_the_next_steps_batches_are_made_ahead_from_the_same_position(tiny_recipe: Path):
     """`prefetch_batches` makes the next step's micro-batches without moving the data position;
     `next_batches` takes them where it starts from that position, and makes its own elsewhere."""
-    from ligertune.training.trainer import next_batches, prefetch_batches
+    from ligertune.training import next_batches, prefetch_batches
 
     def ids(batches):
         return [b.input_ids.tolist() for b in batches]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ligertune.training.loss_weights import step_token_weights
+from ligertune.objectives.normalization import step_token_weights
 
 IGNORE = -100
 

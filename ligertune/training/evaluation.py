@@ -1,0 +1,71 @@
+"""Held-out evaluation: the objective's metrics over the whole held-out set, and a greedy sample."""
+
+from __future__ import annotations
+
+import torch
+
+from ligertune.data import IGNORE_INDEX, Pack
+from ligertune.distributed import Topology, all_reduce_sum, split_packs
+from ligertune.training.run import Run
+from ligertune.training.step import forward_backward, make_batch, pad_token_id
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> dict[str, float]:
+    """The objective's held-out metrics (`eval_loss` first), normalized like training over the whole
+    held-out set, every rank's share together."""
+    run.engine.eval()
+    size = run.recipe.train.micro_batch_size
+    packs = eval_share(run.data.eval_packs, run.topology)
+    batches = [make_batch(run, packs[i : i + size]) for i in range(0, len(packs), size)]
+    totals = forward_backward(run, batches, backward=False)
+    run.engine.train()
+    names = run.objective.sums
+    summed = all_reduce_sum(torch.stack([totals[k].double() for k in names])).tolist()
+    metrics = run.objective.summarize(dict(zip(names, summed)))
+    return {f"eval_{name}": metrics[name] for name in run.objective.held_out}
+
+
+def eval_share(packs: list[Pack], topology: Topology) -> list[Pack]:
+    """This rank's held-out packs. Every rank must run as many forwards (sharded layers gather their
+    weights together), so the shares are made equal with packs that carry no loss."""
+    world = topology.world_size
+    if world == 1:
+        return packs
+    padded = list(packs) + [without_targets(packs[0])] * (-len(packs) % world)
+    return split_packs(padded, world)[topology.rank]
+
+
+def without_targets(pack: Pack) -> Pack:
+    return Pack(pack.input_ids, [IGNORE_INDEX] * len(pack.targets), pack.seq_lens)
+
+
+@torch.no_grad()
+def greedy_sample(run: Run, tail_chars: int = 300) -> tuple[str, str, str]:
+    """The first held-out conversation's last trained turn, answered greedily by the model.
+
+    Returns (the end of the rendered conversation before that turn, the reference turn, the answer).
+    """
+    example = run.data.eval_examples[0]
+    labels = example.labels
+    end = max(i for i, label in enumerate(labels) if label != IGNORE_INDEX) + 1
+    start = end - 1
+    while start > 0 and labels[start - 1] != IGNORE_INDEX:
+        start -= 1
+    prompt_ids = example.input_ids[:start]
+    reference = run.tokenizer.decode(example.input_ids[start:end], skip_special_tokens=True)
+    model = run.head.model
+    model.eval()
+    input_ids = torch.tensor([prompt_ids], device=run.device)
+    output = model.generate(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=end - start + 16,
+        do_sample=False,
+        eos_token_id=run.tokenizer.eos_token_id,
+        pad_token_id=pad_token_id(run.tokenizer),
+    )
+    model.train()
+    answer = run.tokenizer.decode(output[0, len(prompt_ids):], skip_special_tokens=True)
+    prompt = run.tokenizer.decode(prompt_ids, skip_special_tokens=False).rstrip()
+    return prompt[-tail_chars:], reference, answer

@@ -137,6 +137,15 @@ def test_train_refuses_bad_numbers_and_model_configs_before_it_starts(recipe, tm
     assert expected in error_line(invoke("train", recipe, "-o", tmp_path / "run", "--set", override))
 
 
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_max_seq_len_beyond_the_model_positions(recipe, tmp_path, command):
+    """Accepted silently once; now named with the limit from the model's own config (512 here)."""
+    line = error_line(invoke(command, recipe, "--set", "data.max_seq_len=100000"))
+    assert line == ("error: data.max_seq_len: 100000 is more than the model's 512 positions "
+                    "(max_position_embeddings in its config); give at most 512")
+    assert not (tmp_path / "run").exists()
+
+
 # --------------------------------------------------------------------------------------------------
 # Unreadable data files
 
@@ -274,13 +283,35 @@ def test_a_relative_path_is_not_taken_for_a_hub_id(recipe, tmp_path, monkeypatch
     (tmp_path / "m").mkdir()
     monkeypatch.chdir(tmp_path)
     line = error_line(invoke("validate", recipe, "--set", "model.tokenizer=m/missing"))
-    assert line == f"error: model.tokenizer: {tmp_path / 'm' / 'missing'} not found (no such directory)"
+    assert line == f"error: model.tokenizer: no such folder: {tmp_path / 'm' / 'missing'}"
     # The first folder in the current directory counts too, and `./` always means a path.
     elsewhere = write_recipe(tmp_path / "elsewhere", n_train=4, n_eval=2)
     line = error_line(invoke("validate", elsewhere, "--set", "model.tokenizer=m/missing"))
-    assert line == "error: model.tokenizer: m/missing not found (no such directory)"
+    assert line == "error: model.tokenizer: no such folder: m/missing"
     line = error_line(invoke("validate", elsewhere, "--set", "model.tokenizer=./tok"))
-    assert line == "error: model.tokenizer: ./tok not found (no such directory)"
+    assert line == "error: model.tokenizer: no such folder: ./tok"
+
+
+@pytest.mark.parametrize(
+    ("path", "shown"),
+    [pytest.param("./my-model", "./my-model", id="dot-slash"),
+     pytest.param("../models/my-model", "{recipe_dir}/../models/my-model", id="parent"),  # next to the recipe
+     pytest.param("/no/such/my-model", "/no/such/my-model", id="absolute"),
+     pytest.param("my model", "my model", id="no-hub-id")],
+)
+def test_a_mistyped_local_model_folder_is_the_users_mistake_not_the_hubs(recipe, tmp_path, monkeypatch, path,
+                                                                          shown):
+    """A path that cannot be a hub id is a missing folder (exit 2), not an offline hub (exit 1),
+    for the model as for its tokenizer, in `validate` as in `train`."""
+    monkeypatch.chdir(tmp_path)
+    elsewhere = write_recipe(tmp_path / "elsewhere", n_train=4, n_eval=2)
+    shown = shown.format(recipe_dir=elsewhere.parent)
+    model = ["--set", "model.config=null", "--set", f"model.name_or_path={path}"]
+    assert error_line(invoke("validate", elsewhere, *model)) == f"error: model.name_or_path: no such folder: {shown}"
+    assert error_line(invoke("train", elsewhere, *model, "-o", tmp_path / "run")) == \
+        f"error: model.name_or_path: no such folder: {shown}"
+    line = error_line(invoke("validate", elsewhere, "--set", f"model.tokenizer={path}"))
+    assert line == f"error: model.tokenizer: no such folder: {shown}"
 
 
 def test_a_hub_id_offline_fails_at_once_and_says_so(recipe, monkeypatch):

@@ -324,9 +324,10 @@ def _seeded(seed: int, device: torch.device) -> Iterator[None]:
 def _check_source(source: str, key: str) -> str | None:
     """Check a model or tokenizer source before `from_pretrained`; None, or why the hub is offline.
 
-    A local directory is fine, a file is not; a path that does not exist fails at once without
-    asking the hub (see `ligertune.hub` for what is taken as a path). A hub id returns why the hub
-    cannot be reached, if it cannot: then only the local hub cache is read (no minute of retries).
+    A local directory is fine, a file is not; a path that does not exist (`./tok`, `/models/x`, or
+    any name that cannot be a hub id: see `ligertune.hub.meant_as_path`) is the user's mistake, told
+    at once without asking the hub. A hub id returns why the hub cannot be reached, if it cannot:
+    then only the local hub cache is read (no minute of retries).
     """
     path = Path(source).expanduser()
     if path.exists():
@@ -334,7 +335,7 @@ def _check_source(source: str, key: str) -> str | None:
             raise UserError(f"{key}: {source} is a file; expected a directory (or a hub id)")
         return None
     if hub.meant_as_path(source):
-        raise UserError(f"{key}: {source} not found (no such directory)")
+        raise UserError(f"{key}: no such folder: {source}")
     return hub.offline_reason()
 
 

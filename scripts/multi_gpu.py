@@ -215,8 +215,8 @@ def json_document(text: str) -> dict | None:
 
 
 def parameter_count(stdout: str) -> int | None:
-    """The parameters that `train` says its model has (`model NAME 8030.26M params`), however the
-    console wrapped the line."""
+    """The parameters that `train` says its model has (`model NAME 8030.26M params`: to 10,000),
+    however the console wrapped the line."""
     match = re.search(r"\bmodel \S+ ([\d.]+)M params", " ".join(stdout.split()))
     return round(float(match.group(1)) * 1e6) if match else None
 

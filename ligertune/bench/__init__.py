@@ -5,8 +5,8 @@
 """
 
 from ligertune.bench.kernels import KernelBenchConfig, run_kernel_bench
-from ligertune.bench.results import KernelReport, KernelRow
-from ligertune.bench.step import StepBenchConfig, StepReport, StepRow, run_step_bench
+from ligertune.bench.results import KernelReport, KernelRow, StepReport, StepRow
+from ligertune.bench.step import StepBenchConfig, run_step_bench
 from ligertune.bench.timing import Timing, measure
 
 __all__ = [

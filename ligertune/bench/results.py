@@ -1,6 +1,12 @@
-"""What `ligertune bench kernels` returns: one row per implementation, kernel and shape, and the report
-that holds the rows with what a reader needs to trust them (the schema of `--json`); and the one
-line that says why a row, of either bench, failed."""
+"""What each bench returns, the schema of its `--json`: rows, and the report that holds them with
+what a reader needs to trust them (device, dtype, versions, date); and the one line that says why
+a row, of either bench, failed.
+
+    bench kernels      KernelReport of KernelRow: one implementation of one kernel at one shape
+    bench step         StepReport of StepRow: one way of running a recipe's training step
+    bench step --memory-cap
+                       CapReport: the StepReport, and a CapChoice per variant and cap
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,10 @@ from typing import Any
 import torch
 
 from ligertune.bench.timing import Timing
+
+
+# --------------------------------------------------------------------------------------------------
+# bench kernels
 
 
 @dataclass
@@ -82,6 +92,90 @@ class KernelReport:
         data = {k: v for k, v in dataclasses.asdict(self).items() if k != "rows"}
         data["rows"] = [row.to_dict() for row in self.rows]
         return data
+
+
+# --------------------------------------------------------------------------------------------------
+# bench step
+
+
+@dataclass
+class StepRow:
+    """One way of running the step; `tokens` are real (non-pad) tokens per timed pass."""
+
+    name: str
+    layout: str  # "synthetic" or "chat"
+    status: str = "ok"  # "ok", "not installed", "skipped", "failed"
+    detail: str | None = None
+    steps: int = 0
+    tokens: int = 0
+    step_ms: float | None = None
+    tokens_per_s: float | None = None
+    peak_mem_gib: float | None = None
+    flops: float | None = None
+    mfu: float | None = None
+    mfu_measured: float | None = None
+    vs_ligertune: float | None = None
+    checkpointing: str | None = None  # "off", "every layer", "auto: k of L layers"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class StepReport:
+    """Every row of a recipe's step, with the model, the device and the peak rates MFU is taken against."""
+
+    recipe: str
+    model: dict[str, Any]
+    device: str
+    device_type: str
+    dtype: str
+    micro_batch_size: int
+    max_seq_len: int
+    gradient_checkpointing: bool | str
+    steps: int
+    warmup: int
+    peak_tflops: float | None
+    matmul_tflops: float | None
+    kernels: str
+    note: str | None
+    versions: dict[str, str | None]
+    date: str
+    rows: list[StepRow] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {k: v for k, v in dataclasses.asdict(self).items() if k != "rows"}
+        data["rows"] = [row.to_dict() for row in self.rows]
+        return data
+
+
+@dataclass
+class CapChoice:
+    """What one variant runs at under one memory cap: its fastest setting that fits."""
+
+    cap_gib: float
+    name: str
+    checkpointing: str | None
+    tokens_per_s: float | None
+    peak_mem_gib: float | None
+    fits: bool
+    vs_ligertune: float | None = None  # ligertune's tokens/s at this cap over this variant's
+
+
+@dataclass
+class CapReport:
+    """`bench step --memory-cap`: every measured row, and each variant's choice under each cap."""
+
+    step: StepReport  # every measured row, each with its checkpointing
+    caps: list[float]
+    choices: list[CapChoice]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.step.to_dict(), "caps_gib": self.caps, "choices": [dataclasses.asdict(c) for c in self.choices]}
+
+
+# --------------------------------------------------------------------------------------------------
+# either
 
 
 def describe_error(err: BaseException) -> str:

@@ -179,7 +179,8 @@ def step(
         step_table,
         write_json,
     )
-    from ligertune.bench.step import StepBenchConfig, run_memory_caps, run_step_bench
+    from ligertune.bench.caps import run_memory_caps
+    from ligertune.bench.step import StepBenchConfig, run_step_bench
     from ligertune.errors import UserError
     from ligertune.recipe import load_recipe
 

@@ -58,7 +58,7 @@ class _CudnnRagged(torch.autograd.Function):
 
 
 def layouts() -> dict[str, torch.Tensor]:
-    from ligertune.bench.step import synthetic_conversations
+    from ligertune.bench.synthetic import synthetic_conversations
     from ligertune.data.batching import collate
     from ligertune.data.packing import pack
 

@@ -6,7 +6,7 @@ the prefetch of the next step's batches bought).
     python3 scripts/probes/gaps.py [RECIPE]   # (recipes/bench/llama-3.2-1b.yaml)
 
 Runs `ligertune train`'s own step functions (`next_batches`, `train_step`, `log`) on the long shape
-of scripts/train_vs_bench.py (every pack one `max_seq_len`-token conversation) and prints:
+(every pack one `max_seq_len`-token conversation, as in bench step's synthetic row) and prints:
 
 - the host's time per step in each function, and in the parts of making a step's batches;
 - under the profiler, over 3 steps: the share of the wall clock the device spends in kernels, and

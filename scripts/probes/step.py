@@ -101,7 +101,7 @@ def probe_step(recipe: Path = RECIPE) -> None:
 
     phases: list[tuple[str, float]] = []
     recording = [False]  # only the probed step marks its phases
-    original = (bench_step._StepBench._time, bench_step._StepBench._finish_step, torch.Tensor.backward)
+    original = (bench_step.StepBench._time, torch.Tensor.backward)
 
     def mark(phase: str) -> None:
         if recording[0]:
@@ -110,12 +110,11 @@ def probe_step(recipe: Path = RECIPE) -> None:
 
     def backward(self, *args, **kwargs):
         mark("forward")
-        out = original[2](self, *args, **kwargs)
+        out = original[1](self, *args, **kwargs)
         mark("backward")
         return out
 
-    def finish(self, optimizer, params):
-        original[1](self, optimizer, params)
+    def finish(optimizer, args, kwargs):  # after any optimizer's step: clipping came before it
         mark("clip + optimizer")
 
     def probe(self, name, layout, steps, *args, **kwargs):
@@ -132,7 +131,7 @@ def probe_step(recipe: Path = RECIPE) -> None:
             try:
                 step()
             finally:
-                torch.Tensor.backward = original[2]
+                torch.Tensor.backward = original[1]
                 recording[0] = False
             kinds = profile_kinds(step)
             peak, sites = peak_allocations(step)
@@ -144,13 +143,14 @@ def probe_step(recipe: Path = RECIPE) -> None:
                 print(f"    {mib:8.1f} MiB {count:4d}x  {site}")
         return original[0](self, name, layout, steps, *args, **kwargs)
 
-    bench_step._StepBench._time = probe
-    bench_step._StepBench._finish_step = finish
+    bench_step.StepBench._time = probe
+    finished = torch.optim.optimizer.register_optimizer_step_post_hook(finish)
     try:
         config = bench_step.StepBenchConfig(steps=3, warmup=1, chat=False, measure_matmul=False)
         report = bench_step.run_step_bench(load_recipe(recipe), config)
     finally:
-        bench_step._StepBench._time, bench_step._StepBench._finish_step = original[:2]
+        bench_step.StepBench._time = original[0]
+        finished.remove()
     print()
     for row in report.rows:
         if row.step_ms:

@@ -11,7 +11,16 @@ import torch
 from typer.testing import CliRunner
 
 from ligertune.bench import step as bench_step
+from ligertune.bench.caps import cap_choices
+from ligertune.bench.results import StepRow
+from ligertune.bench.step import StepBenchConfig, run_step_bench
+from ligertune.bench.synthetic import padded_groups, synthetic_conversations, whole_micro_batches
 from ligertune.cli.bench import app
+from ligertune.models import decoder_of
+from ligertune.recipe import DataConfig, load_recipe
+from ligertune.training import build, clipping
+from ligertune.training import step as training_step
+from ligertune.training.memory import GIB, CheckpointPlanner
 
 RECIPE = """\
 model:
@@ -96,7 +105,7 @@ def test_bench_step_bad_recipe_is_one_clear_error(recipe_file):
     ],
 )
 def test_padded_groups_keep_order_and_budget(lengths, budget):
-    groups = bench_step.padded_groups(lengths, budget)
+    groups = padded_groups(lengths, budget)
     assert [i for g in groups for i in g] == list(range(len(lengths)))
     for group in groups:
         assert len(group) * max(lengths[i] for i in group) <= budget
@@ -107,7 +116,7 @@ def test_padded_groups_keep_order_and_budget(lengths, budget):
 
 
 def test_synthetic_conversations_are_mixed_masked_and_bounded():
-    examples = bench_step.synthetic_conversations(5000, max_len=300, vocab_size=97, seed=1)
+    examples = synthetic_conversations(5000, max_len=300, vocab_size=97, seed=1)
     lengths = [len(e) for e in examples]
     assert sum(lengths) >= 5000 and sum(lengths) - lengths[-1] < 5000
     assert min(lengths) >= 8 and max(lengths) <= 300 and len(set(lengths)) > 10
@@ -116,7 +125,7 @@ def test_synthetic_conversations_are_mixed_masked_and_bounded():
         assert 0.2 * len(e) - 1 <= prompt <= 0.6 * len(e)
         assert e.labels[prompt:] == e.input_ids[prompt:]
         assert all(0 <= t < 97 for t in e.input_ids)
-    again = bench_step.synthetic_conversations(5000, max_len=300, vocab_size=97, seed=1)
+    again = synthetic_conversations(5000, max_len=300, vocab_size=97, seed=1)
     assert [e.input_ids for e in again] == [e.input_ids for e in examples]
 
 
@@ -133,17 +142,9 @@ def test_restored_module_undoes_a_monkey_patch(monkeypatch):
     assert not hasattr(module, "added")
 
 
-def test_token_mean_weights():
-    targets = torch.tensor([[-100, 4, 5, -100, 7]])
-    w = bench_step.token_mean_weights(targets, -100)
-    assert torch.equal(w, torch.tensor([[0.0, 1 / 3, 1 / 3, 0.0, 1 / 3]]))
-
-
 def test_bench_step_builds_lora_recipes_as_train_does(tmp_path):
     """A LoRA recipe is benchmarked with its adapters: ligertune and the peers train the same
     adapters of the same frozen base."""
-    from ligertune.bench.step import StepBenchConfig, run_step_bench
-    from ligertune.recipe import load_recipe
     from tiny_recipe import write_recipe
 
     recipe = load_recipe(write_recipe(tmp_path, lora={"r": 4, "alpha": 8}))
@@ -157,8 +158,8 @@ def test_bench_step_builds_lora_recipes_as_train_does(tmp_path):
 
 
 def row(name, checkpointing, tokens_per_s, peak, status="ok"):
-    return bench_step.StepRow(name, "synthetic", status=status, tokens_per_s=tokens_per_s, peak_mem_gib=peak,
-                              checkpointing=checkpointing)
+    return StepRow(name, "synthetic", status=status, tokens_per_s=tokens_per_s, peak_mem_gib=peak,
+                   checkpointing=checkpointing)
 
 
 def test_each_variant_runs_its_fastest_setting_that_fits_a_cap():
@@ -167,7 +168,7 @@ def test_each_variant_runs_its_fastest_setting_that_fits_a_cap():
     planned = {10.0: row("ligertune", "auto: 16 of 16 layers", 95.0, 9.5),
                24.0: row("ligertune", "auto: 4 of 16 layers", 130.0, 23.0),
                8.0: row("ligertune", "auto: 16 of 16 layers", 95.0, 9.5)}
-    choices = bench_step.cap_choices(peers, planned, [8.0, 10.0, 24.0])
+    choices = cap_choices(peers, planned, [8.0, 10.0, 24.0])
     got = {(c.cap_gib, c.name): (c.checkpointing, c.fits) for c in choices}
     assert got == {
         (8.0, "ligertune"): ("auto: 16 of 16 layers", False),  # the policy's answer, over the cap
@@ -218,12 +219,11 @@ def test_bench_step_without_peers_times_ligertune_only(recipe_file, tmp_path, no
 
 
 def test_chat_rows_keep_the_conversations_that_fill_whole_micro_batches():
-    from ligertune.bench.step import synthetic_conversations, whole_micro_batches
     from ligertune.data.packing import pack
 
     examples = synthetic_conversations(4 * 2 * 512, 512, 300, seed=0)
     assert len(pack(examples, 512)) % 2 == 1  # as drawn, the last micro-batch would be a lone pack
-    kept, packs = whole_micro_batches(examples, 512, 2)
+    kept, packs = whole_micro_batches(examples, DataConfig(max_seq_len=512), 2)
     assert len(packs) == len(pack(examples, 512)) - 1 and len(packs) % 2 == 0
     assert sorted(map(len, kept)) == sorted(n for p in packs for n in p.seq_lens)
     assert all(e in examples for e in kept)
@@ -237,3 +237,98 @@ def test_bench_step_offloads_as_the_recipe_says(recipe_file, tmp_path, no_peers)
     assert result.exit_code == 0, result.output + repr(result.exception)
     rows = json.loads(out.read_text())["rows"]
     assert [(r["name"], r["checkpointing"]) for r in rows] == [("ligertune", "every layer, offloaded")]
+
+
+# --------------------------------------------------------------------------------------------------
+# The ligertune rows run the trainer's step
+
+
+def recording(calls: list, fn):
+    """`fn`, with the arguments of each call appended to `calls`."""
+    def wrapper(*args, **kwargs):
+        calls.append(args)
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+ROW_ONLY = StepBenchConfig(steps=3, warmup=2, chat=False, peers=False, measure_matmul=False)
+
+
+def test_the_ligertune_row_steps_through_the_trainers_step(recipe_file, monkeypatch, no_peers):
+    steps, trainer_clips, peer_clips = [], [], []
+    monkeypatch.setattr(training_step, "train_step", recording(steps, training_step.train_step))
+    monkeypatch.setattr(training_step, "clip_gradients", recording(trainer_clips, training_step.clip_gradients))
+    monkeypatch.setattr(clipping, "clip_gradients", recording(peer_clips, clipping.clip_gradients))
+    recipe = load_recipe(recipe_file, ["optim.clip=per_tensor", "optim.max_grad_norm=0.5"])
+    report = run_step_bench(recipe, StepBenchConfig(steps=3, warmup=2, chat=False, measure_matmul=False))
+    rows = {row.name: row for row in report.rows}
+    assert rows["ligertune"].status == rows["HF (sdpa)"].status == "ok"
+    assert [len(batches) for _, batches in steps] == [1] * (2 + 3)  # warm-up and timed, one micro-batch each
+    assert len({id(run) for run, _ in steps}) == 1  # one run, its state carried from step to step
+    assert steps[-1][0].state.step == 5
+    assert [args[1:] for args in trainer_clips] == [(0.5, "per_tensor")] * 5
+    assert [args[1:] for args in peer_clips] == [(0.5, "per_tensor")] * 5  # the HF row clips as the recipe says
+
+
+def test_under_auto_on_a_cpu_the_row_says_what_the_trainer_decides(recipe_file, monkeypatch, no_peers):
+    recipe = load_recipe(recipe_file, ["train.gradient_checkpointing=auto"])
+    recomputed = []  # each step's layers, recomputed or not
+    step = training_step.train_step
+
+    def flags_then_step(run, batches):
+        recomputed.append([layer.gradient_checkpointing for layer in decoder_of(run.model).layers])
+        return step(run, batches)
+
+    monkeypatch.setattr(training_step, "train_step", flags_then_step)
+    report = run_step_bench(recipe, ROW_ONLY)
+    cpu = torch.device("cpu")
+    trainers = build.build_run(recipe, build.build_model(recipe, device=cpu, vocab_size=None).module,
+                               device=cpu, total_steps=1)
+    assert trainers.checkpointing == 0  # no device memory to plan with
+    assert [(r.name, r.checkpointing) for r in report.rows] == [("ligertune", "auto: 0 of 2 layers")]
+    assert recomputed == [[False, False]] * (2 + 3)  # nothing to plan: no untimed planning steps
+
+
+class FakeAllocator:
+    """Allocator statistics made up so that a 1 GiB budget leaves one of two layers un-checkpointed."""
+
+    device = torch.device("cpu")
+
+    def __init__(self):
+        self.calls = 0
+
+    def reset_peak(self) -> None:
+        pass
+
+    def allocated(self) -> int:
+        self.calls += 1
+        return 10**6 + (1000 if self.calls > 1 else 0)  # the first update allocates 1000 bytes of state
+
+    def peak(self) -> int:
+        return GIB - 1010
+
+
+def test_under_auto_the_planners_two_steps_run_untimed_first(recipe_file, monkeypatch, no_peers):
+    monkeypatch.setattr(build, "device_allocator", lambda device: FakeAllocator())
+    recipe = load_recipe(recipe_file, ["train.gradient_checkpointing=auto", "train.memory_budget_gib=1"])
+    plans, runs = [], []  # the plan each step starts from, and the run
+    step = training_step.train_step
+
+    def plan_then_step(run, batches):
+        plans.append(run.checkpointing.plan)
+        runs.append(run)
+        return step(run, batches)
+
+    monkeypatch.setattr(training_step, "train_step", plan_then_step)
+    lines = []
+    report = run_step_bench(recipe, ROW_ONLY, log=lines.append)
+    # Measured (no plan yet), re-planned (a new plan), then warm-up and timed under the final plan.
+    assert len(plans) == 2 + 2 + 3
+    assert plans[0] is None and plans[1] is not None and plans[2] is not plans[1]
+    assert all(plan is plans[2] for plan in plans[2:])
+    planner = runs[0].checkpointing
+    assert isinstance(planner, CheckpointPlanner) and planner.plan is plans[2] and planner.plan.checkpointed == 1
+    (row,) = report.rows
+    assert row.steps == 3
+    assert row.checkpointing == f"auto: 1 of 2 layers (predicted {planner.plan.predicted_peak_gib:.1f} GiB)"
+    assert any(line.startswith("gradient checkpointing (auto, 1 GiB budget)") for line in lines)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import resource
 import shutil
 import warnings
 from pathlib import Path
@@ -235,13 +236,21 @@ def written(run_dir: Path, what: str) -> Iterator[None]:
         cause = write_failure(err)
         if cause is None:
             raise
-        try:
-            free = f" ({shutil.disk_usage(run_dir).free / 2**20:,.0f} MiB free there)"
-        except OSError:
-            free = ""
         latest = latest_checkpoint(run_dir)
         kept = f"; the last checkpoint {latest} is intact" if latest else ""
-        raise EnvironmentFault(f"cannot write the {what} in {run_dir}{cause}{free}{kept}") from None
+        raise EnvironmentFault(f"cannot write the {what} in {run_dir}{cause}{write_limits(run_dir)}{kept}") from None
+
+
+def write_limits(folder: Path) -> str:
+    """What may have stopped a write: the free space where it wrote, and a file-size limit."""
+    try:
+        found = [f"{shutil.disk_usage(folder).free / 2**20:,.0f} MiB free there"]
+    except OSError:
+        found = []
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        found.append(f"files limited to {limit:,} bytes (ulimit -f)")
+    return f" ({', '.join(found)})" if found else ""
 
 
 def write_failure(err: BaseException) -> str | None:
@@ -258,7 +267,7 @@ def write_failure(err: BaseException) -> str | None:
     code = re.search(r"Os \{ code: (\d+)", text)
     if code:
         return f": {os.strerror(int(code.group(1)))}"
-    if "file write failed" in text or "failed writing" in text:
+    if any(sign in text for sign in ("file write failed", "failed writing", "unexpected pos")):
         return ": a file write failed"
     return None
 
@@ -324,7 +333,7 @@ def load_trainer_state(checkpoint: Path) -> dict:
     cut short, garbage, or holds what a safe load refuses."""
     saved = load_torch_file(checkpoint / TRAINER_STATE)
     if not isinstance(saved, dict) or not {TrainerState.RUN, TrainerState.RECIPE} <= saved.keys():
-        raise DamagedFile(f"{checkpoint / TRAINER_STATE}: not a ligertune trainer state")
+        raise DamagedFile(checkpoint / TRAINER_STATE, "not a ligertune trainer state")
     return saved
 
 
@@ -335,15 +344,15 @@ def verify_checkpoint(checkpoint: Path) -> dict:
     saved = load_trainer_state(checkpoint)
     weights = sorted(checkpoint.glob("adapter_model.safetensors")) or sorted(checkpoint.glob("model*.safetensors"))
     if not weights:
-        raise DamagedFile(f"{checkpoint}: no model weights (model*.safetensors or adapter_model.safetensors)")
+        raise DamagedFile(checkpoint, "no model weights (model*.safetensors or adapter_model.safetensors)")
     for file in weights:
         check_safetensors(file)
     metadata = checkpoint / OPTIMIZER / ".metadata"
     if not metadata.is_file() or metadata.stat().st_size == 0:
-        raise DamagedFile(f"{metadata}: missing or empty (the optimizer state)")
+        raise DamagedFile(metadata, "missing or empty (the optimizer state's index)")
     for file in (checkpoint / OPTIMIZER).iterdir():
         if file.is_file() and file.stat().st_size == 0:
-            raise DamagedFile(f"{file}: empty (the optimizer state)")
+            raise DamagedFile(file, "empty (a file of the optimizer state)")
     return saved
 
 

@@ -249,7 +249,7 @@ class StoppedAtOnce(KeyboardInterrupt):
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
-        self.exit_code = 128 + signum
+        self.signum = signum
 
 
 def train_loop(run: Run, stop: StopSignals | None = None) -> TrainResult:

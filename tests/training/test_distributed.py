@@ -260,3 +260,24 @@ def test_lion_under_fsdp_trains_as_one_process(tmp_path: Path):
     recipe = straight.recipe
     untrained = build_model(recipe.model, device="cpu", seed=recipe.train.seed, vocab_size=len(straight.tokenizer))
     assert relative_error(untrained(input_ids=ids).logits, expected) > 1e-2  # the steps moved the model
+
+
+def test_a_model_with_tied_embeddings_saves_the_same_tensors_from_two_processes_as_from_one(tmp_path: Path):
+    """The final model is the same files whatever the world size: the tied output projection is kept
+    once (under the embeddings' name), and every tensor matches one process's."""
+    from safetensors.torch import load_file
+
+    path = write_recipe(tmp_path, train={"max_steps": 2, "micro_batch_size": 2, "grad_accum_steps": 1,
+                                         "eval_every": None},
+                        model={"config": {**TINY_MODEL, "tie_word_embeddings": True}})
+    two = tmp_path / "two"
+    result = ligertune("train", str(path), "--nproc", "2", "-o", str(two))
+    assert result.returncode == 0, result.stderr[-3000:]
+    train_in_one_process(path, f"output.dir={tmp_path / 'one'}", "train.grad_accum_steps=2")
+    saved = {name: load_file(folder / "final" / "model.safetensors") for name, folder in
+             (("one", tmp_path / "one"), ("two", two))}
+    assert "lm_head.weight" not in saved["one"]
+    assert saved["two"].keys() == saved["one"].keys()
+    for key, tensor in saved["one"].items():
+        assert saved["two"][key].dtype == tensor.dtype, key
+        assert relative_error(saved["two"][key].double(), tensor.double()) < 1e-5, key

@@ -275,6 +275,37 @@ def test_a_smoke_run_shorter_than_the_warmup_runs_with_the_warmup_cut(recipe):
                     "not both: set the other to 0")
 
 
+def test_a_run_is_never_written_among_the_users_files(recipe, tmp_path, monkeypatch):
+    """`output.dir: ''`, the current folder, or a folder of other files: refused before anything is
+    built, and nothing is written there."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("mine")
+    monkeypatch.chdir(work)
+    recipe.write_text(recipe.read_text().replace(f"dir: {tmp_path / 'run'}", "dir: ''"))
+    assert error_line(invoke("train", recipe)) == (
+        f"error: {recipe}: output.dir: must name a folder for the run, e.g. runs/NAME; an empty name would "
+        "write the run's files among those of the current folder")
+    assert error_line(invoke("train", recipe, "-o", ".")) == (
+        "error: output.dir: . is the current folder: the run's files (recipe.yaml, metrics.jsonl, "
+        "checkpoints/, final/) would land among yours; name a folder for the run, e.g. runs/NAME")
+    (work / "data").mkdir()
+    for name in ("b.txt", "c.txt", "recipe.yaml"):
+        (work / "data" / name).write_text("mine")
+    assert error_line(invoke("validate", recipe, "--set", "output.dir=data")) == (
+        "error: output.dir: data holds files that are not a ligertune run (b.txt, c.txt, recipe.yaml): the "
+        "run's files would land among them; choose a new or empty folder")
+    # Replacing a run moves the run aside; a folder of other files is no run to replace.
+    assert "data holds files that are not a ligertune run (b.txt, c.txt, recipe.yaml)" in error_line(
+        invoke("train", recipe, "-o", "data", "--set", "output.overwrite=true"))
+    assert ".. holds files that are not a ligertune run (eval.jsonl, recipe.yaml, train.jsonl, ...)" in error_line(
+        invoke("train", recipe, "-o", ".."))  # the folder above: the recipe's own
+    assert sorted(p.name for p in work.rglob("*")) == ["b.txt", "c.txt", "data", "notes.txt", "recipe.yaml"]
+    assert (work / "data" / "recipe.yaml").read_text() == "mine"
+    (work / "empty").mkdir()
+    assert invoke("validate", recipe, "--set", "output.dir=empty").exit_code == 0  # an empty folder is fine
+
+
 # --------------------------------------------------------------------------------------------------
 # Slow or wrong failures
 

@@ -419,7 +419,10 @@ class DistributedConfig:
 class OutputConfig:
     """Where the run writes its files."""
 
-    dir: str = _field("runs/ligertune", "Output directory: resolved recipe, metrics.jsonl, final/.")
+    dir: str = _field(
+        "runs/ligertune", "Output directory: resolved recipe, metrics.jsonl, final/. It must be new, empty or "
+        "a run's: neither the current folder nor one holding other files."
+    )
     overwrite: bool = _field(
         False, "Replace a run already in `dir` (finished or not): it is moved to `DIR.previous` first."
     )
@@ -428,6 +431,12 @@ class OutputConfig:
         "(offline unless logged in); each needs its extra: pip install 'ligertune[tensorboard]'.",
         factory=list,
     )
+
+    def check(self) -> list[tuple[str, str]]:
+        if not self.dir.strip():
+            return [("dir", "must name a folder for the run, e.g. runs/NAME; an empty name would write the "
+                     "run's files among those of the current folder")]
+        return []
 
 
 @dataclass

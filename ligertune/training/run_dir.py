@@ -1,10 +1,11 @@
 """The output directory of a run: one run per directory, and nothing overwritten by surprise.
 
 Before anything is built, `check_output_dir` refuses a directory that cannot be written, one that
-another live process is writing (its `.lock`), and a new run into a folder that holds a finished or
-an unfinished run (unless `--resume` continues it or `output.overwrite` replaces it). Once the run is
-built, `claim_output_dir` creates the directory, moves a replaced run aside to `DIR.previous`, and
-takes the lock, released by `RunLock.release` at the end.
+another live process is writing (its `.lock`), the current folder and a folder that holds files but
+no run (the run's files would land among the user's), and a new run into a folder that holds a
+finished or an unfinished run (unless `--resume` continues it or `output.overwrite` replaces it).
+Once the run is built, `claim_output_dir` creates the directory, moves a replaced run aside to
+`DIR.previous`, and takes the lock, released by `RunLock.release` at the end.
 """
 
 from __future__ import annotations
@@ -32,6 +33,14 @@ def check_output_dir(path: Path, *, resume: bool, overwrite: bool) -> None:
     if owner is not None:
         raise UserError(f"output.dir: {path} is being written by another run (process {owner}); "
                         "wait for it or choose another directory with --output-dir")
+    if _is_current_folder(path):
+        raise UserError(f"output.dir: {path} is the current folder: the run's files (recipe.yaml, "
+                        "metrics.jsonl, checkpoints/, final/) would land among yours; name a folder for "
+                        "the run, e.g. runs/NAME")
+    others = _not_a_run(path)
+    if others:
+        raise UserError(f"output.dir: {path} holds files that are not a ligertune run ({others}): the run's "
+                        "files would land among them; choose a new or empty folder")
     if resume or overwrite or not path.is_dir():
         return
     if (path / "final").exists():
@@ -44,6 +53,30 @@ def check_output_dir(path: Path, *, resume: bool, overwrite: bool) -> None:
             f"output.dir: {path} holds an unfinished run; continue it with --resume, or replace it "
             "with --set output.overwrite=true"
         )
+
+
+def _is_current_folder(path: Path) -> bool:
+    try:
+        return path.resolve() == Path.cwd().resolve()
+    except OSError:  # the current folder was removed
+        return False
+
+
+def _not_a_run(path: Path, shown: int = 3) -> str:
+    """The first names in `path` when it holds entries but none of a run's (`RUN_FILES`, the lock),
+    e.g. `data/, notes.txt, recipe.yaml, ...`; empty when it is a run, empty or missing."""
+    try:
+        entries = sorted(path.iterdir()) if path.is_dir() else []
+    except OSError:  # not readable: nothing to tell of it (writing is checked by `_check_writable`)
+        return ""
+    if not entries or any(entry.name in (*RUN_FILES, LOCK) for entry in entries):
+        return ""
+    names = [_short(entry.name) + ("/" if entry.is_dir() else "") for entry in entries[:shown]]
+    return ", ".join(names + ["..."] * (len(entries) > shown))
+
+
+def _short(name: str, width: int = 40) -> str:
+    return name if len(name) <= width else f"{name[: width - 3]}..."
 
 
 def _check_writable(path: Path) -> None:

@@ -6,6 +6,13 @@ Three record formats are accepted (`data.format`, or detected from a source's fi
     sharegpt           {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", ...}]}
     prompt_completion  {"prompt": "Hi", "completion": "Hello!"}   (either side may be a message list)
 
+Preference data has formats of its own (`detect_preference_format`; read by
+`ligertune.data.preference`):
+
+    paired                {"prompt": "2+2?", "chosen": "4.", "rejected": "5."}   (message lists too)
+    paired_conversations  {"chosen": [user, assistant], "rejected": [user, assistant]}  (TRL style)
+    unpaired              {"prompt": "2+2?", "completion": "5.", "label": false}  (KTO)
+
 Every record keeps its origin (`path:line`, `path:row N` for Parquet and hub rows), so that a
 malformed one is reported where a person can find it. Messages are counted from 1 in messages,
 like lines.
@@ -22,6 +29,7 @@ from ligertune import hub
 from ligertune.errors import DataError, EnvironmentFault, first_line
 
 FORMATS = ("messages", "sharegpt", "prompt_completion")
+PREFERENCE_FORMATS = ("paired", "paired_conversations", "unpaired")
 ROLES = ("system", "user", "assistant", "tool")
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -250,10 +258,49 @@ def detect_format(record: Any) -> str:
     if "prompt" in record and "completion" in record:
         return "prompt_completion"
     keys = ", ".join(map(str, list(record)[:8])) or "none"
+    hint = " (preference pairs, which supervised fine-tuning does not read)" if _is_pair(record) else ""
     raise RecordError(
         f"cannot tell the format: expected a `messages`, `conversations` or `prompt` + `completion` "
-        f"key, got keys {keys}"
+        f"key, got keys {keys}{hint}"
     )
+
+
+def detect_preference_format(record: Any) -> str:
+    """The preference format a record is written in, from its keys.
+
+    `chosen` + `rejected` are whole conversations (`paired_conversations`) unless a `prompt` stands
+    beside them and `chosen` is an answer (a string, or messages that do not open with a user or
+    system turn): UltraFeedback-binarized writes a `prompt` string beside whole conversations, and
+    is read as conversations.
+    """
+    if not isinstance(record, dict):
+        raise RecordError(f"expected a JSON object, got {_kind(record)}")
+    if _is_pair(record):
+        if "prompt" in record and not is_conversation(record["chosen"]):
+            return "paired"
+        return "paired_conversations"
+    if "completion" in record and "label" in record:
+        return "unpaired"
+    keys = ", ".join(map(str, list(record)[:8])) or "none"
+    sft = "messages" in record or "conversations" in record or "completion" in record
+    hint = " (chat data for supervised fine-tuning, not preferences)" if sft else ""
+    raise RecordError(
+        f"cannot tell the preference format: expected `chosen` + `rejected` (whole conversations, or "
+        f"answers beside a `prompt`) or `prompt` + `completion` + `label`, got keys {keys}{hint}"
+    )
+
+
+def is_conversation(value: Any) -> bool:
+    """Whether a `chosen` value is a whole conversation: a list of messages whose first is not an
+    assistant turn (an answer opens with one)."""
+    if not isinstance(value, list) or not value:
+        return False
+    first = value[0]
+    return not (isinstance(first, dict) and first.get("role") == "assistant")
+
+
+def _is_pair(record: dict) -> bool:
+    return "chosen" in record and "rejected" in record
 
 
 def normalize(record: Any, fmt: str) -> list[Message]:

@@ -1,15 +1,18 @@
-"""One place that turns known errors into one line: exit 2 for user errors, 1 for the environment."""
+"""One place that turns known errors into one line: exit 2 for user errors, 1 for the environment,
+130 or 143 for Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 
 import functools
 import os
+import traceback
 from typing import Callable
 
 import typer
 from rich.console import Console
 from rich.text import Text
 
+from ligertune.cli.interrupts import INTERRUPTS, import_torch, report_interrupted
 from ligertune.errors import EnvironmentFault, UserError, first_line
 
 
@@ -18,13 +21,17 @@ def debug_enabled() -> bool:
     return os.environ.get("LIGERTUNE_DEBUG", "").strip().lower() not in ("", "0", "false")
 
 
-def guarded(fn: Callable) -> Callable:
+def guarded(fn: Callable, *, uses_torch: bool = False) -> Callable:
     """Report a `UserError` as red `error:` lines on stderr with exit code 2, an `EnvironmentFault`
-    or an exhausted memory with exit code 1 (the traceback with --debug)."""
+    or an exhausted memory with exit code 1, Ctrl-C or SIGTERM as `interrupted (SIGINT)` with exit
+    code 130 or 143 (the traceback with --debug). A command that `uses_torch` imports it first, in a
+    way that no signal is lost (`ligertune.cli.interrupts.import_torch`)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
+            if uses_torch:
+                import_torch()
             return fn(*args, **kwargs)
         except (UserError, EnvironmentFault) as err:
             if debug_enabled():
@@ -36,6 +43,10 @@ def guarded(fn: Callable) -> Callable:
                 raise
             print_error(f"out of memory: {first_line(err)}")
             raise typer.Exit(1) from None
+        except INTERRUPTS as err:
+            if debug_enabled():
+                traceback.print_exc()  # where the signal landed
+            raise typer.Exit(report_interrupted(err)) from None
 
     return wrapper
 

@@ -1,58 +1,32 @@
-"""The `ligertune` app: registers one command per module and maps user errors to one line, exit 2."""
+"""The `ligertune` console script: Ctrl-C and SIGTERM are taken in hand first, then the commands load.
+
+Loading the commands takes a while (typer, rich, the recipe schema; then torch inside a command):
+the signal handlers go in before, so that a Ctrl-C in the first second stops the command with
+exit 130 and one line, like one in the middle (`ligertune.cli.interrupts`).
+"""
 
 from __future__ import annotations
 
-import logging
-import os
 import sys
-from typing import Annotated
 
-import typer
-
-from ligertune.cli.guard import guarded
-
-app = typer.Typer(
-    name="ligertune",
-    help="Fine-tune causal language models on packed multi-turn chat data with Triton kernels.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode="rich",
-)
-
-
-@app.callback()
-def _root(
-    debug: Annotated[
-        bool, typer.Option("--debug", help="Show the full traceback of errors (also LIGERTUNE_DEBUG=1).")
-    ] = False,
-) -> None:
-    if debug:
-        os.environ["LIGERTUNE_DEBUG"] = "1"
-
-
-def _register() -> None:
-    from ligertune.cli import bench, chat, data, env, merge, plot, recipes, train, validate, verify_loss
-
-    app.command("train")(guarded(train.train))
-    app.command("validate")(guarded(validate.validate))
-    app.command("data")(guarded(data.data))
-    app.command("verify-loss")(guarded(verify_loss.verify_loss))
-    app.command("merge")(guarded(merge.merge))
-    app.command("chat")(guarded(chat.chat))
-    app.command("plot")(guarded(plot.plot))
-    app.add_typer(bench.app, name="bench")
-    app.add_typer(recipes.app, name="recipes")
-    app.command("env")(guarded(env.env))
-
-
-_register()
-# peft imports bitsandbytes whenever it is installed, and on a CPU with avx512-bf16 bitsandbytes warns
-# at import about an optional kernel that ligertune never runs (see
-# `ligertune.models.quantize.keep_cpu_layout`): silenced here, before any command imports peft.
-logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+from ligertune.cli.interrupts import INTERRUPTS, report_interrupted, stop_on_signals
 
 
 def main() -> None:
     """Console-script entry point."""
-    sys.exit(app())
+    stop_on_signals()
+    try:
+        from ligertune.cli.app import app
+
+        sys.exit(app())
+    except INTERRUPTS as err:  # while the commands load or typer parses; inside one, `guarded` reports it
+        sys.exit(report_interrupted(err))
+
+
+def __getattr__(name: str):
+    """`app`, loaded on first use: importing this module must stay instant (see the docstring)."""
+    if name == "app":
+        from ligertune.cli.app import app
+
+        return app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

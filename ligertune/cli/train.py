@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from ligertune.cli.interrupts import INTERRUPTS, report_interrupted
 from ligertune.cli.options import RecipeArg, SetOpt
 from ligertune.errors import UserError
 
@@ -47,7 +48,7 @@ def train(
     from ligertune.distributed import is_main_process, launch, topology_from_environment
     from ligertune.recipe import load_recipe
     from ligertune.training import train as run_training
-    from ligertune.training.trainer import RunInterrupted
+    from ligertune.training import RunInterrupted
 
     overrides = list(set_ or [])
     if output_dir is not None:  # quoted: a folder name is text, never YAML ("runs/#1", "[x]")
@@ -80,10 +81,7 @@ def train(
         if is_main_process():
             Console(stderr=True, highlight=False).print(str(stop), markup=False)
         raise typer.Exit(stop.exit_code) from None
-    except KeyboardInterrupt:
-        if is_main_process():
-            Console(stderr=True, highlight=False).print(
-                "interrupted; nothing half-written was left (the last complete checkpoint, if any, is intact)",
-                markup=False,
-            )
-        raise typer.Exit(130) from None
+    except INTERRUPTS as err:  # before the loop, or a second signal within it
+        code = report_interrupted(err, "nothing half-written was left (the last complete checkpoint, if any, "
+                                       "is intact)")
+        raise typer.Exit(code) from None

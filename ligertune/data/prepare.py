@@ -24,6 +24,7 @@ import dataclasses
 import multiprocessing
 import os
 import random
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,7 @@ from ligertune.recipe import DataConfig, DataSource
 
 # Below this many conversations per worker, starting processes costs more than it saves.
 PARALLEL_MIN_PER_WORKER = 256
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 BAD_RECORD_EXAMPLES = 5
 
 
@@ -163,6 +165,13 @@ _worker_job: dict[str, Any] = {}
 
 
 def _init_worker(tokenizer: Any, settings: TokenizeSettings) -> None:
+    # Ctrl-C is the parent's to handle (a terminal sends it to every process of the command): it
+    # stops the pool, and no worker prints a traceback of its own. SIGTERM, which the pool's
+    # terminate() sends, ends a worker at once, whatever handler the fork copied from the parent.
+    # Both were held back while the pool forked (`make_pool`): let them through now.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
     _worker_job["tokenizer"], _worker_job["settings"] = tokenizer, settings
 
 
@@ -185,10 +194,20 @@ def make_pool(tokenizer: Any, settings: TokenizeSettings, workers: int):
 
     fork on Linux: no re-import, and the tokenizer is inherited rather than pickled. The pool is
     made before any progress display starts its thread, so no lock is copied mid-use.
+
+    SIGINT and SIGTERM are held back while the workers fork: one that arrived then would be raised
+    in a callback Python runs after each fork (logging's), where an exception is only printed, and
+    the command would go on as if it had never come. Held back, it is raised here once the pool
+    is made (whose workers then stop as the process exits).
     """
     method = "fork" if sys.platform.startswith("linux") else "spawn"
     context = multiprocessing.get_context(method)
-    return context.Pool(workers, initializer=_init_worker, initargs=(tokenizer, settings))
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        pool = context.Pool(workers, initializer=_init_worker, initargs=(tokenizer, settings))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)  # raises the signal held back, if any
+    return pool
 
 
 def tokenize_conversations(

@@ -11,7 +11,8 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from ligertune.cli.options import DeviceOpt
+from ligertune.cli.interrupts import INTERRUPTS, is_ctrl_c
+from ligertune.cli.options import DeviceOpt, TrustRemoteCodeOpt
 from ligertune.errors import UserError
 
 HELP = "/system TEXT sets the system prompt and starts over, /reset starts over, /exit (or Ctrl-D) quits"
@@ -50,6 +51,7 @@ def chat(
     dtype: Annotated[
         str, typer.Option("--dtype", help="auto (bf16 on a GPU, fp32 on a CPU), bf16, fp16 or fp32.")
     ] = "auto",
+    trust_remote_code: TrustRemoteCodeOpt = False,
 ) -> None:
     """Chat with a trained model through its tokenizer's chat template; the reply streams as it comes.
 
@@ -66,7 +68,7 @@ def chat(
         raise UserError("--json: needs --prompt (one answer, for scripts)")
     check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
     transformers.utils.logging.disable_progress_bar()
-    loaded = load_for_inference(model, device=device, dtype=dtype)
+    loaded = load_for_inference(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     require_chat_template(loaded)
     session = ChatSession(loaded.model, loaded.tokenizer, system=system, max_new_tokens=max_new_tokens,
                           temperature=temperature, top_p=top_p, seed=seed)
@@ -96,7 +98,12 @@ def interact(session, console: Console) -> None:
     while True:
         try:
             line = console.input("[bold cyan]>[/] ").strip()
-        except (EOFError, KeyboardInterrupt):
+        except EOFError:
+            console.print()
+            return
+        except INTERRUPTS as err:
+            if not is_ctrl_c(err):  # SIGTERM stops the command (exit 143)
+                raise
             console.print()
             return
         if not line:
@@ -117,7 +124,9 @@ def interact(session, console: Console) -> None:
             continue
         try:
             reply = session.ask(line, on_text=write)
-        except KeyboardInterrupt:
+        except INTERRUPTS as err:
+            if not is_ctrl_c(err):
+                raise
             console.print("\n[dim]interrupted; the question is dropped[/]")
             continue
         except UserError as err:  # e.g. a chat template without a system role: the loop goes on

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.text import Text
 
 from ligertune.cli.guard import print_error
-from ligertune.cli.options import DeviceOpt, JsonOpt
+from ligertune.cli.options import DeviceOpt, JsonOpt, TrustRemoteCodeOpt
 
 
 def merge(
@@ -29,6 +29,7 @@ def merge(
     ] = "auto",
     device: DeviceOpt = "auto",
     json_: JsonOpt = False,
+    trust_remote_code: TrustRemoteCodeOpt = False,
 ) -> None:
     """Merge a run's LoRA adapters into its base model and write a standalone Hugging Face model.
 
@@ -46,7 +47,8 @@ def merge(
 
     transformers.utils.logging.disable_progress_bar()
     try:
-        report = merge_adapters(run, output=output, dtype=dtype, device=device)
+        report = merge_adapters(run, output=output, dtype=dtype, device=device,
+                                trust_remote_code=trust_remote_code)
     except MergeCheckError as err:
         print_error(err)
         raise typer.Exit(1) from None

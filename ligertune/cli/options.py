@@ -27,3 +27,11 @@ JsonOpt = Annotated[
 DeviceOpt = Annotated[
     str, typer.Option("--device", help="auto (CUDA when there is a GPU), cuda or cpu.")
 ]
+TrustRemoteCodeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--trust-remote-code",
+        help="Let the model run code of its own (an auto_map in its config, a run recipe's "
+        "model.trust_remote_code). Off: such a folder is refused; only for folders you trust.",
+    ),
+]

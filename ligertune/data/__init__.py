@@ -6,6 +6,8 @@
     shuffled(packs, seed=, epoch=) -> list[Pack]; order_report(packs, steps, ...)  (order.py)
     collate(packs) -> Batch (one flattened row); collate_padded(items, pad_id) -> PaddedBatch  (batching.py)
     packing_stats(packs, max_seq_len) -> PackingStats  (stats.py)
+    load_preferences(path, tokenizer, max_seq_len=...) -> PreparedPreferences(units, stats)  (preference.py)
+    pack_preferences(units, max_seq_len) -> list[PreferencePack]                  (preference.py)
 """
 
 from __future__ import annotations
@@ -21,6 +23,21 @@ from ligertune.data.chat import (
 from ligertune.data.formats import Conversation, read_conversations
 from ligertune.data.order import OrderReport, order_report, shuffled
 from ligertune.data.packing import Pack, best_fit_decreasing, pack, packs_of_one, shift_labels
+from ligertune.data.preference import (
+    KTOExample,
+    PreferenceExample,
+    PreferencePack,
+    PreferencePair,
+    PreferenceStats,
+    PreparedPreferences,
+    UnpairedPreference,
+    load_preferences,
+    pack_preferences,
+    read_preferences,
+    tokenize_preference,
+    tokenize_preferences,
+    unpair,
+)
 from ligertune.data.prepare import PreparedData, prepare_data
 from ligertune.data.stats import (
     DataStats,
@@ -37,26 +54,39 @@ __all__ = [
     "Conversation",
     "ConversationError",
     "DataStats",
+    "KTOExample",
     "LengthBucket",
     "OrderReport",
     "Pack",
     "PackingStats",
     "PaddedBatch",
+    "PreferenceExample",
+    "PreferencePack",
+    "PreferencePair",
+    "PreferenceStats",
     "PreparedData",
+    "PreparedPreferences",
     "SourceStats",
     "TokenizedExample",
+    "UnpairedPreference",
     "best_fit_decreasing",
     "collate",
     "collate_padded",
     "length_histogram",
+    "load_preferences",
     "order_report",
     "pack",
+    "pack_preferences",
     "packing_stats",
     "packs_of_one",
     "prepare_data",
     "read_conversations",
+    "read_preferences",
     "shift_labels",
     "shuffled",
     "tokenize_conversation",
+    "tokenize_preference",
+    "tokenize_preferences",
     "trained_segments",
+    "unpair",
 ]

@@ -235,7 +235,8 @@ def _split_conversations(record: dict) -> PreferencePair:
     for key in ("chosen", "rejected"):
         value = _required(record, key, "paired_conversations")
         if not isinstance(value, list):
-            raise RecordError(f"`{key}` must be a whole conversation (a list of messages), got {_kind(value)}")
+            raise RecordError(f"`{key}` must be a whole conversation (a list of messages), "
+                              f"got {_kind(value)}")
         sides[key] = _field_messages(value, key)
     chosen, rejected = sides["chosen"], sides["rejected"]
     shared = 0
@@ -245,9 +246,9 @@ def _split_conversations(record: dict) -> PreferencePair:
         raise RecordError("`chosen` and `rejected` share no prompt: their first messages differ")
     if shared == len(chosen) == len(rejected):
         raise RecordError("`chosen` and `rejected` are the same conversation")
-    for key, side in sides.items():
+    for (key, side), other in zip(sides.items(), ("rejected", "chosen")):
         if shared == len(side):
-            raise RecordError(f"`{key}` has no answer: all its {shared} messages open the other conversation too")
+            raise RecordError(f"`{key}` has no answer: every one of its messages opens `{other}` too")
         role = side[shared]["role"]
         if role != "assistant":
             raise RecordError(f"the conversations first differ at message {shared + 1}, a {role} message in "
@@ -375,7 +376,8 @@ class KTOExample(PreferenceUnit):
         return self.answer_lens[0]
 
 
-def render_scored(tokenizer: Any, messages: Sequence[Message], first_answer: int) -> tuple[list[int], list[int]]:
+def render_scored(tokenizer: Any, messages: Sequence[Message], first_answer: int
+                  ) -> tuple[list[int], list[int]]:
     """`(input_ids, labels)` of a whole conversation, with the assistant turns from message index
     `first_answer` on scored: the turns and labels `tokenize_conversation(train_on="assistant")`
     finds, restricted to the answer (earlier turns are still located, so the search runs as there)."""
@@ -597,7 +599,7 @@ class VarlenSegments:
 class PreferencePack:
     """Whole units laid end to end (each unit as drawn in the module docstring, shifted by its offset).
 
-    `scores_rows[i]` is the row whose output predicts `score_targets[i]`, a token of answer
+    `score_rows[i]` is the row whose output predicts `score_targets[i]`, a token of answer
     `score_answers[i]` (answers numbered through the pack: unit u of a pair pack holds answers 2u
     (chosen) and 2u+1 (rejected); of a KTO pack, answer u). `desirable` gives each KTO answer's
     label (None in a pair pack).

@@ -134,7 +134,10 @@ def normalize_preference(record: Any, fmt: str) -> PreferenceRecord:
         raise RecordError(f"expected a JSON object, got {_kind(record)}")
     if fmt == "paired":
         prompt = _prompt(record, fmt)
-        return PreferencePair(prompt, _answer(record, "chosen", fmt), _answer(record, "rejected", fmt))
+        chosen, rejected = _answer(record, "chosen", fmt), _answer(record, "rejected", fmt)
+        if chosen == rejected:
+            raise RecordError("`chosen` and `rejected` are the same answer")
+        return PreferencePair(prompt, chosen, rejected)
     if fmt == "paired_conversations":
         return _split_conversations(record)
     if fmt == "unpaired":

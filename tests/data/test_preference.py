@@ -296,6 +296,8 @@ LABEL = "`label` must be true (desirable) or false (undesirable), got"
     pytest.param({"prompt": "Hi", "chosen": talk(user("Hi"), assistant("x")), "rejected": "b"}, "paired",
                  "`chosen` must open with an assistant message, got a user message (whole conversations are "
                  "format paired_conversations)", id="answer-opens-with-user"),
+    pytest.param({"prompt": "Hi", "chosen": "a", "rejected": talk(assistant("a"))}, "paired",
+                 "`chosen` and `rejected` are the same answer", id="same-answer"),
     pytest.param({"prompt": "Hi", "chosen": "a", "rejected": talk(assistant("x"), SYSTEM)}, "paired",
                  "`rejected` message 2: a system message may only open the prompt", id="system-in-answer"),
     pytest.param({"prompt": talk(user("Hi"), SYSTEM), "chosen": "a", "rejected": "b"}, "paired",

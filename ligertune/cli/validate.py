@@ -22,12 +22,15 @@ def validate(recipe: RecipeArg, set_: SetOpt = None) -> None:
     """
     from pathlib import Path
 
+    from ligertune.distributed import topology_from_environment
     from ligertune.models import check_model, load_tokenizer
     from ligertune.recipe import load_recipe
     from ligertune.training.build import (
         build_data,
         check_model_skeleton,
         optimizer_warnings,
+        schedule_warnings,
+        total_steps,
         trainable_dtypes,
     )
     from ligertune.training.run_dir import check_output_dir
@@ -55,5 +58,8 @@ def validate(recipe: RecipeArg, set_: SetOpt = None) -> None:
         f"[green]ok[/] data: {len(data.train_examples)} train and {len(data.prepared.eval)} eval "
         f"conversations, {len(data.train_packs)} packs ({stats.summary()})"
     )
+    steps = total_steps(loaded.train, len(data.train_packs), topology_from_environment().world_size)
+    for warning in [*data.warnings, *schedule_warnings(loaded.optim, steps)]:
+        console.print(f"[yellow]warning[/] {escape(warning)}")
     check_output_dir(Path(loaded.output.dir), resume=False, overwrite=loaded.output.overwrite)
     console.print(f"[green]ok[/] output {escape(loaded.output.dir)}")

@@ -52,6 +52,7 @@ from ligertune.training.build import (
     fsdp_dtypes,
     optimizer_warnings,
     packs_per_step,
+    schedule_warnings,
     strategy,
     total_steps,
 )
@@ -211,7 +212,8 @@ def describe_run(run: Run, dtype: torch.dtype, patches: str) -> None:
                   f"{packs_per_step(recipe.train)} packs each per step")
     memory = optimizer_memory(run.trainable, recipe.optim.name, master_weights=recipe.optim.master_weights)
     out.print(memory.describe())
-    for warning in optimizer_warnings(recipe, {p.dtype for p in run.trainable}):
+    for warning in [*data.warnings, *schedule_warnings(recipe.optim, run.total_steps),
+                    *optimizer_warnings(recipe, {p.dtype for p in run.trainable})]:
         out.warn(warning)
 
 
@@ -261,7 +263,12 @@ def train_loop(run: Run, stop: StopSignals | None = None) -> TrainResult:
         if run.state.step == 0 and run.data.eval_packs and cfg.eval_at_start:
             evaluate_and_log(run, progress)
         run.meter.start()
+        first_step, saved = run.state.step, None
         while run.state.step < run.total_steps:
+            if requested := stop_requested(run, stop):
+                if run.state.step == first_step:  # asked before this process trained a step
+                    raise StoppedAtOnce(requested)
+                raise RunInterrupted(requested, run.state.step, saved or save(run), run.resume_command)
             stats = train_step(run, next_batches(run))
             if stats.news:
                 run.out.print(stats.news)
@@ -270,12 +277,8 @@ def train_loop(run: Run, stop: StopSignals | None = None) -> TrainResult:
             result = maybe_evaluate(run, progress)
             if record is not None and result is not None:
                 record = {**record, **result}
-            saved = maybe_save(run)
+            saved = maybe_save(run)  # the checkpoint a stop at the next step's start reuses
             progress.advance(run.state.step, record)
-            requested = stop_requested(run, stop)
-            if requested:
-                checkpoint = saved or save(run)
-                raise RunInterrupted(requested, run.state.step, checkpoint, run.resume_command)
     return finish(run)
 
 

@@ -17,7 +17,7 @@ from test_gpu_models import MAX_SEQ_LEN, SMALL_LLAMA, conversations
 from ligertune.data.batching import collate
 from ligertune.data.packing import pack
 from ligertune.distributed import destroy_process_group, full_tensor, shard
-from ligertune.models import CausalLMLoss, build_model, decoder_of, patch_model
+from ligertune.models import CausalLMLoss, build_model, decoder_of, patch_model, unpatch_model
 from ligertune.numerics import relative_error
 from ligertune.recipe import LoraConfig, ModelConfig, Recipe
 from ligertune.training.build import FsdpDtypes, fsdp_dtypes
@@ -53,14 +53,18 @@ def test_fsdp_shards_in_bf16_over_float32_weights_with_tied_embeddings(nccl_grou
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     patch_model(model)
     patch_model(reference)
-    batch = collate(pack(conversations([300, 1000, 57, 641], seed=0), MAX_SEQ_LEN)).to("cuda")
-    supervised = (batch.targets != -100).float()
-    weights = supervised / supervised.sum()
+    try:
+        batch = collate(pack(conversations([300, 1000, 57, 641], seed=0), MAX_SEQ_LEN)).to("cuda")
+        supervised = (batch.targets != -100).float()
+        weights = supervised / supervised.sum()
 
-    want_loss, want_grads = loss_and_grads(CausalLMLoss(reference, fused=True), reference, batch, weights)
-    engine = shard(CausalLMLoss(model, fused=True), decoder_of(model).layers, strategy="fsdp",
-                   device=nccl_group_of_one, mixed_precision=torch.bfloat16)
-    loss, grads = loss_and_grads(engine, model, batch, weights)
+        want_loss, want_grads = loss_and_grads(CausalLMLoss(reference, fused=True), reference, batch, weights)
+        engine = shard(CausalLMLoss(model, fused=True), decoder_of(model).layers, strategy="fsdp",
+                       device=nccl_group_of_one, mixed_precision=torch.bfloat16)
+        loss, grads = loss_and_grads(engine, model, batch, weights)
+    finally:  # the patches rebind names in the modeling module, for every later model of its family
+        unpatch_model(reference)
+        unpatch_model(model)
     assert all(p.dtype == torch.float32 for p in model.parameters())  # the sharded master weights
     assert abs(loss - want_loss) <= 1e-2 * abs(want_loss), (loss, want_loss)
     assert relative_error(grads, want_grads) <= 5e-2

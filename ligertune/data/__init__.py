@@ -5,6 +5,7 @@
     pack(examples, max_seq_len, packing=...) -> list[Pack]                       (packing.py)
     shuffled(packs, seed=, epoch=) -> list[Pack]; order_report(packs, steps, ...)  (order.py)
     collate(packs) -> Batch (one flattened row); collate_padded(items, pad_id) -> PaddedBatch  (batching.py)
+    collate_preferences(packs) -> PreferenceBatch (one flattened row, query/key attention ranges)  (batching.py)
     packing_stats(packs, max_seq_len) -> PackingStats  (stats.py)
     load_preferences(path, tokenizer, max_seq_len=...) -> PreparedPreferences(units, stats)  (preference.py)
     pack_preferences(units, max_seq_len) -> list[PreferencePack]                  (preference.py)
@@ -12,7 +13,14 @@
 
 from __future__ import annotations
 
-from ligertune.data.batching import Batch, PaddedBatch, collate, collate_padded
+from ligertune.data.batching import (
+    Batch,
+    PaddedBatch,
+    PreferenceBatch,
+    collate,
+    collate_padded,
+    collate_preferences,
+)
 from ligertune.data.chat import (
     IGNORE_INDEX,
     ConversationError,
@@ -60,6 +68,7 @@ __all__ = [
     "Pack",
     "PackingStats",
     "PaddedBatch",
+    "PreferenceBatch",
     "PreferenceExample",
     "PreferencePack",
     "PreferencePair",
@@ -72,6 +81,7 @@ __all__ = [
     "best_fit_decreasing",
     "collate",
     "collate_padded",
+    "collate_preferences",
     "length_histogram",
     "load_preferences",
     "order_report",

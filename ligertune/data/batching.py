@@ -5,6 +5,10 @@ attention is confined to each conversation through `cu_seqlens` (varlen attentio
 is padded and the packs need not be the same length. `collate_padded` builds the classic
 [B, L] right-padded batch with one conversation per row: the reference that packed training
 must agree with.
+
+`collate_preferences(packs)` does the same for preference packs (`PreferencePack`): one row, the
+attention of every pack as varlen segments with separate query and key ranges laid end to end, and
+the scored (row, target, answer) triples numbered across the batch (`PreferenceBatch`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 
 from ligertune.data.chat import IGNORE_INDEX, TokenizedExample
 from ligertune.data.packing import Pack, shift_labels
+from ligertune.data.preference import PreferencePack
 from ligertune.devices import to_device
 
 
@@ -122,6 +127,133 @@ def collate_padded(items: Sequence[TokenizedExample | Pack], pad_id: int) -> Pad
         attention_mask[r, :n] = 1
         position_ids[r, :n] = torch.arange(n)
     return PaddedBatch(input_ids, targets, attention_mask, position_ids)
+
+
+@dataclass
+class PreferenceBatch:
+    """One flattened micro-batch of preference packs: U units, A answers, T tokens, S scored tokens.
+
+    `input_ids`, `position_ids`: [1, T] int64 (positions continue from the prompt in every answer).
+
+    Attention (`PreferencePack.varlen` of every pack, laid end to end): segment s has the query rows
+    `cu_seqlens_q[s]:cu_seqlens_q[s+1]` (consecutive, from 0 to T) and the key rows
+    `key_index[cu_seqlens_k[s]:cu_seqlens_k[s+1]]`, causal aligned to the end of the segment;
+    `cu_seqlens_q`, `cu_seqlens_k`: int32; `key_index`: int64; `max_seqlen_q`, `max_seqlen_k`: the
+    longest query and key ranges. `attention()` gives them as the keyword arguments of
+    `CausalLMLoss.hidden_states`.
+
+    Scores: the output of row `score_rows[i]` predicts token `score_targets[i]` of answer
+    `score_answers[i]`: [S] int64, rows and answers numbered across the batch (a prompt's last row
+    appears once per answer it predicts).
+
+    Per answer ([A]): `answer_unit`, the unit it belongs to (a pair's index in the batch, or a KTO
+    example's); `answer_chosen` (bool), for a pair whether it is the chosen answer (a pair's answers
+    are chosen then rejected), for a KTO example its label (desirable); `answer_tokens`, how many of
+    its tokens are scored. `kto` says which of the two the batch holds.
+
+    `to(device)` moves every tensor but the attention boundaries (`cu_seqlens_q`, `cu_seqlens_k`,
+    `key_index`), which stay on the host to be checked there and copied over without the host
+    waiting on the device, as `Batch` keeps `cu_seqlens`.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    key_index: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    score_rows: torch.Tensor
+    score_targets: torch.Tensor
+    score_answers: torch.Tensor
+    answer_unit: torch.Tensor
+    answer_chosen: torch.Tensor
+    answer_tokens: torch.Tensor
+    kto: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+    @property
+    def num_answers(self) -> int:
+        return self.answer_unit.numel()
+
+    @property
+    def num_units(self) -> int:
+        return int(self.answer_unit[-1]) + 1 if self.answer_unit.numel() else 0
+
+    def attention(self) -> dict:
+        """The attention boundaries as `CausalLMLoss.hidden_states`' keyword arguments."""
+        return {
+            "cu_seqlens": self.cu_seqlens_q, "max_seqlen": self.max_seqlen_q,
+            "cu_seqlens_k": self.cu_seqlens_k, "max_seqlen_k": self.max_seqlen_k,
+            "key_index": self.key_index,
+        }
+
+    def to(self, device: torch.device | str) -> PreferenceBatch:
+        return _to(self, device, keep_on_host=("cu_seqlens_q", "cu_seqlens_k", "key_index"))
+
+
+def collate_preferences(packs: Sequence[PreferencePack]) -> PreferenceBatch:
+    """The preference packs of one micro-batch concatenated into one row (see `PreferenceBatch`).
+
+    Each pack's rows, key rows, answers and units are offset by those of the packs before it. Packs
+    of pairs and packs of KTO examples are not mixed.
+    """
+    if not packs:
+        raise ValueError("collate_preferences needs at least one pack")
+    kinds = {p.desirable is not None for p in packs}
+    if len(kinds) > 1:
+        raise ValueError("pairs and KTO examples go in separate batches: give one kind of pack")
+    kto = kinds.pop()
+    input_ids: list[int] = []
+    position_ids: list[int] = []
+    cu_q, cu_k, key_index = [0], [0], []
+    max_q = max_k = 0
+    rows: list[int] = []
+    targets: list[int] = []
+    answers: list[int] = []
+    answer_unit: list[int] = []
+    answer_chosen: list[bool] = []
+    units = 0
+    for p in packs:
+        row0, answer0 = len(input_ids), len(answer_unit)
+        segments = p.varlen()
+        cu_q += [row0 + q for q in segments.cu_seqlens_q[1:]]
+        cu_k += [len(key_index) + k for k in segments.cu_seqlens_k[1:]]
+        key_index += [row0 + k for k in segments.key_index]
+        max_q, max_k = max(max_q, segments.max_seqlen_q), max(max_k, segments.max_seqlen_k)
+        rows += [row0 + r for r in p.score_rows]
+        targets += p.score_targets
+        answers += [answer0 + a for a in p.score_answers]
+        for u, lens in enumerate(p.answer_lens):
+            answer_unit += [units + u] * len(lens)
+            answer_chosen += [p.desirable[u]] if kto else [a == 0 for a in range(len(lens))]
+        units += len(p.answer_lens)
+        input_ids += p.input_ids
+        position_ids += p.position_ids
+
+    def ints(values, dtype=torch.int64):
+        return torch.tensor(values, dtype=dtype)
+
+    score_answers = ints(answers)
+    return PreferenceBatch(
+        input_ids=ints([input_ids]),
+        position_ids=ints([position_ids]),
+        cu_seqlens_q=ints(cu_q, torch.int32),
+        cu_seqlens_k=ints(cu_k, torch.int32),
+        key_index=ints(key_index),
+        max_seqlen_q=max_q,
+        max_seqlen_k=max_k,
+        score_rows=ints(rows),
+        score_targets=ints(targets),
+        score_answers=score_answers,
+        answer_unit=ints(answer_unit),
+        answer_chosen=torch.tensor(answer_chosen, dtype=torch.bool),
+        answer_tokens=torch.bincount(score_answers, minlength=len(answer_unit)),
+        kto=kto,
+    )
 
 
 def _to(batch, device: torch.device | str, keep_on_host: tuple[str, ...] = ()):

@@ -1,0 +1,128 @@
+"""Preference micro-batches: packs laid end to end in one row, every range and index offset.
+
+The oracle for the attention ranges is each pack's own dense mask (`PreferencePack.attention_mask`):
+the batch's segments, drawn as a dense mask over the whole row, must be those masks on the diagonal.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ligertune.data import (
+    IGNORE_INDEX,
+    KTOExample,
+    PreferenceExample,
+    collate_preferences,
+    pack_preferences,
+)
+from ligertune.data.preference import make_preference_pack
+
+_ = IGNORE_INDEX
+
+
+def pair(base: int, p: int, c: int, r: int, unscored: int = 0) -> PreferenceExample:
+    """A pair with prompt p, answers c and r tokens; the first `unscored` tokens of each answer are not scored."""
+    ids = [base + i for i in range(p + c + r)]
+    labels = [_] * p
+    for n in (c, r):
+        start = len(labels)
+        labels += [_ if i < unscored else ids[start + i] for i in range(n)]
+    return PreferenceExample(input_ids=ids, labels=labels, prompt_len=p, answer_lens=(c, r))
+
+
+def kto(base: int, p: int, n: int, desirable: bool) -> KTOExample:
+    ids = [base + i for i in range(p + n)]
+    return KTOExample(input_ids=ids, labels=[_] * p + ids[p:], prompt_len=p, answer_lens=(n,),
+                      desirable=desirable)
+
+
+PAIRS = [pair(100, 3, 3, 2), pair(200, 2, 1, 4, unscored=1), pair(300, 4, 2, 2), pair(400, 1, 3, 1)]
+KTOS = [kto(100, 3, 2, True), kto(200, 2, 4, False), kto(300, 1, 1, False)]
+
+
+def dense_mask(cu_q, cu_k, key_index, total: int) -> torch.Tensor:
+    """[T, T] bool from the varlen segments: causal aligned to the end of each segment."""
+    mask = torch.zeros(total, total, dtype=torch.bool)
+    for s in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
+        for j, row in enumerate(range(q0, q1)):
+            for key in key_index[k0: k1 - (q1 - q0) + j + 1]:
+                mask[row, key] = True
+    return mask
+
+
+@pytest.mark.parametrize("groups", [[[0, 1], [2], [3]], [[2, 3], [1, 0]], [[0], [1, 2, 3]]],
+                         ids=["3packs", "2packs-reordered", "2packs-1-3"])
+def test_pair_packs_are_laid_end_to_end_with_every_index_offset(groups):
+    packs = [make_preference_pack(PAIRS, g) for g in groups]
+    batch = collate_preferences(packs)
+    total = sum(len(p) for p in packs)
+    assert batch.input_ids.shape == batch.position_ids.shape == (1, total)
+    assert batch.input_ids[0].tolist() == [t for p in packs for t in p.input_ids]
+    assert batch.position_ids[0].tolist() == [t for p in packs for t in p.position_ids]
+    assert not batch.kto
+
+    # Attention: the dense mask of the batch's segments is the packs' own masks on the diagonal.
+    assert batch.cu_seqlens_q.dtype == batch.cu_seqlens_k.dtype == torch.int32
+    assert batch.cu_seqlens_q[-1] == total and batch.cu_seqlens_k[-1] == batch.key_index.numel()
+    mask = dense_mask(batch.cu_seqlens_q.tolist(), batch.cu_seqlens_k.tolist(), batch.key_index.tolist(), total)
+    assert torch.equal(mask, torch.block_diag(*[p.attention_mask() for p in packs]))
+    widths_q = (batch.cu_seqlens_q[1:] - batch.cu_seqlens_q[:-1]).tolist()
+    widths_k = (batch.cu_seqlens_k[1:] - batch.cu_seqlens_k[:-1]).tolist()
+    assert batch.max_seqlen_q == max(widths_q) and batch.max_seqlen_k == max(widths_k)
+
+    # Scores: every pack's triples, rows offset by the pack's start, answers by the answers before.
+    expected, row0, answer0 = [], 0, 0
+    for p in packs:
+        expected += [(row0 + r, t, answer0 + a) for r, t, a in zip(p.score_rows, p.score_targets, p.score_answers)]
+        row0, answer0 = row0 + len(p), answer0 + p.num_answers
+    got = list(zip(batch.score_rows.tolist(), batch.score_targets.tolist(), batch.score_answers.tolist()))
+    assert got == expected
+    ids = batch.input_ids[0]
+    for row, target, _answer in got:  # each target is a token of the row after (or of its answer's start)
+        assert ids[row] != target and target in ids[row + 1:].tolist()
+
+    # Per answer: its pair, chosen first, and its scored-token count from the units themselves.
+    units = [PAIRS[i] for g in groups for i in g]
+    assert batch.num_units == len(units) and batch.num_answers == 2 * len(units)
+    assert batch.answer_unit.tolist() == [u for u in range(len(units)) for _ in range(2)]
+    assert batch.answer_chosen.tolist() == [True, False] * len(units)
+    assert batch.answer_tokens.tolist() == [n for u in units for n in u.scored_tokens()]
+
+
+def test_kto_packs_carry_each_label():
+    packs = [make_preference_pack(KTOS, [1]), make_preference_pack(KTOS, [2, 0])]
+    batch = collate_preferences(packs)
+    assert batch.kto
+    assert batch.answer_unit.tolist() == [0, 1, 2]
+    assert batch.answer_chosen.tolist() == [False, False, True]
+    assert batch.answer_tokens.tolist() == [4, 1, 2]
+    total = batch.num_tokens
+    mask = dense_mask(batch.cu_seqlens_q.tolist(), batch.cu_seqlens_k.tolist(), batch.key_index.tolist(), total)
+    assert torch.equal(mask, torch.block_diag(*[p.attention_mask() for p in packs]))
+    assert batch.key_index.tolist() == list(range(total))  # KTO units are plain causal segments
+
+
+def test_packs_from_pack_preferences_collate():
+    packs = pack_preferences(PAIRS, max_seq_len=12)
+    assert len(packs) > 1
+    batch = collate_preferences(packs)
+    assert batch.answer_tokens.sum() == batch.score_rows.numel() == sum(p.trained_tokens for p in packs)
+
+
+def test_mixed_or_empty_batches_are_refused():
+    with pytest.raises(ValueError, match="separate batches"):
+        collate_preferences([make_preference_pack(PAIRS, [0]), make_preference_pack(KTOS, [0])])
+    with pytest.raises(ValueError, match="at least one pack"):
+        collate_preferences([])
+
+
+def test_to_keeps_the_attention_boundaries_on_the_host():
+    batch = collate_preferences([make_preference_pack(PAIRS, [0, 1])])
+    moved = batch.to("meta")
+    assert moved.input_ids.device.type == moved.score_rows.device.type == moved.answer_chosen.device.type == "meta"
+    for name in ("cu_seqlens_q", "cu_seqlens_k", "key_index"):
+        assert getattr(moved, name).device.type == "cpu"
+    assert moved.max_seqlen_k == batch.max_seqlen_k and moved.kto is False
+    assert set(batch.attention()) == {"cu_seqlens", "max_seqlen", "cu_seqlens_k", "max_seqlen_k", "key_index"}

@@ -50,6 +50,7 @@ from ligertune.models.lora import patch_lora, unpatch_lora
 from ligertune.numerics import relative_error
 from ligertune.recipe import LossConfig, Recipe
 from ligertune.training.build import build_device, build_head, build_model, patch_kernels
+from ligertune.objectives import build_objective
 from ligertune.objectives.normalization import step_token_weights
 from ligertune.training.build import strategy
 from ligertune.training.step import pad_token_id
@@ -111,6 +112,7 @@ class LossAndGrads:
 
 def verify_loss(recipe: Recipe, *, samples: int = 8, modes: Sequence[str] = ("token", "sequence")) -> Report:
     """Run every case of the module docstring for each mode; see `Report.passed`."""
+    build_objective(recipe)  # an objective the trainer cannot run yet is refused before anything loads
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise UserError(f"--modes: unknown mode {unknown[0]!r} (expected {', '.join(MODES)})")

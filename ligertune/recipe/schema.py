@@ -3,7 +3,7 @@ and the checks of values and of combinations across sections.
 
 This file is the reference a reader opens to learn what a recipe can say (docs/recipe.md is printed
 from it by `python -m ligertune.recipe`). A recipe is plain YAML with one mapping per section
-(`model`, `data`, `kernels`, `loss`, `lora`, `optim`, `train`, `distributed`, `output`). Each
+(`model`, `data`, `kernels`, `objective`, `loss`, `lora`, `optim`, `train`, `distributed`, `output`). Each
 section's `check()` returns `(key, message)` pairs; `ligertune.recipe.convert` collects them all with
 their key paths, so one run of `ligertune validate` shows everything that is wrong.
 """
@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from ligertune.errors import UserError
 
 # Every integer of a recipe fits in 64 bits: torch and the C code below it take nothing larger.
 INT_MIN, INT_MAX = -(2**63), 2**63 - 1
@@ -87,8 +89,9 @@ class DataSource:
     """One data source of several; `weight` or `samples` sets its share."""
 
     path: str = _field(doc="Local .jsonl/.json/.parquet file, or a hub dataset name.")
-    format: Literal["auto", "messages", "sharegpt", "prompt_completion"] = _field(
-        "auto", "Record format; `auto` detects it from the first record."
+    format: Literal["auto", "messages", "sharegpt", "prompt_completion", "paired", "paired_conversations",
+                    "unpaired"] = _field(
+        "auto", "Record format (see `data.format`); `auto` takes `data.format`."
     )
     split: str = _field("train", "Split to read when `path` is a hub dataset.")
     weight: float | None = _field(None, "Relative share of this source (repeated or subsampled to its share).")
@@ -113,8 +116,14 @@ class DataConfig:
 
     path: str | None = _field(None, "One source: local .jsonl/.json/.parquet file or hub dataset name.")
     sources: list[DataSource] = _field(doc="Several sources, each with a weight or a sample count.", factory=list)
-    format: Literal["auto", "messages", "sharegpt", "prompt_completion"] = _field(
-        "auto", "Record format: OpenAI `messages`, ShareGPT `conversations`, or prompt/completion."
+    format: Literal["auto", "messages", "sharegpt", "prompt_completion", "paired", "paired_conversations",
+                    "unpaired"] = _field(
+        "auto",
+        "Record format. Chat data for `objective.name: sft`: OpenAI `messages`, ShareGPT `conversations`, "
+        "or `prompt_completion`. Preference data for the other objectives (docs/data.md): `paired` "
+        "(`prompt`, `chosen`, `rejected`), `paired_conversations` (`chosen` and `rejected` whole "
+        "conversations, TRL style), `unpaired` (`prompt`, `completion`, `label` true/false: KTO). `auto` "
+        "detects it from each source's first record, among the formats of the objective.",
     )
     split: str = _field("train", "Split to read when `path` is a hub dataset.")
     max_seq_len: int = _field(2048, "Tokens per pack (and the longest conversation kept).")
@@ -185,6 +194,198 @@ class KernelsConfig:
         if self.loss_chunk_mib < 1:
             return [("loss_chunk_mib", f"must be >= 1, got {self.loss_chunk_mib}")]
         return []
+
+
+SFT_FORMATS = ("messages", "sharegpt", "prompt_completion")
+"""`data.format` values of chat data, read by supervised fine-tuning."""
+PREFERENCE_FORMATS = ("paired", "paired_conversations", "unpaired")
+"""`data.format` values of preference data (`ligertune.data.preference`)."""
+PAIRED_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
+"""Objectives that compare a chosen with a rejected answer to one prompt: they need pairs."""
+REFERENCE_OBJECTIVES = ("dpo", "ipo", "kto")
+"""Objectives whose reward is measured against a frozen reference model's log-probabilities."""
+OBJECTIVE_DEFAULTS = {
+    "beta": {"dpo": 0.1, "ipo": 0.1, "kto": 0.1, "simpo": 2.0},
+    "gamma": {"simpo": 1.0},
+    "orpo_lambda": {"orpo": 0.1},
+}
+"""`objective.beta`, `gamma` and `orpo_lambda` when the recipe gives none, per objective (filled in
+when loaded); an objective missing from a row does not read that key."""
+# Which objectives read each key besides `name`; a key set away from its default for another
+# objective is a recipe problem (it would be silently ignored).
+OBJECTIVE_KEYS = {
+    "beta": ("dpo", "ipo", "simpo", "kto"),
+    "label_smoothing": ("dpo",),
+    "gamma": ("simpo",),
+    "orpo_lambda": ("orpo",),
+    "desirable_weight": ("kto",),
+    "undesirable_weight": ("kto",),
+    "reference": ("dpo", "ipo", "simpo", "orpo", "kto"),
+}
+
+
+@dataclass
+class ObjectiveConfig:
+    """What a step optimises: supervised fine-tuning (`sft`, the default) or a preference objective.
+
+    Notation: x a prompt, y_w the chosen answer, y_l the rejected one, pi the trained model,
+    pi_ref the reference model (`reference`), log pi(y|x) the sum of log-probabilities of an
+    answer's scored tokens, h = log pi(y_w|x)/pi_ref(y_w|x) - log pi(y_l|x)/pi_ref(y_l|x), sigma the
+    logistic function. Every loss is averaged over the pairs (KTO: the examples) of an optimizer step,
+    whatever the batching, as supervised fine-tuning averages over tokens.
+    """
+
+    name: Literal["sft", "dpo", "ipo", "simpo", "orpo", "kto"] = _field(
+        "sft",
+        "`sft`: cross-entropy on the trained tokens of chat data (the `loss` section). On preference "
+        "data (`data.format`): `dpo` -log sigma(beta h) (Rafailov et al. 2023, DPO, eq. 7); `ipo` "
+        "(h - 1/(2 beta))^2 (Azar et al. 2023, IPO, eq. 17); `simpo` -log sigma(beta/|y_w| log pi(y_w|x) - beta/|y_l| log pi(y_l|x) - gamma), "
+        "reference-free, |y| the answer's scored tokens (Meng et al. 2024, SimPO, eq. 6); `orpo` "
+        "NLL(y_w) - orpo_lambda log sigma(log odds(y_w|x) - log odds(y_l|x)), odds(y|x) = P/(1-P) with "
+        "P the per-token mean probability exp(log pi(y|x)/|y|), reference-free (Hong et al. 2024, ORPO, "
+        "eq. 6-7); `kto` on answers labelled desirable or undesirable, 1 - sigma(beta (r - z0)) "
+        "weighted by `desirable_weight` for a desirable answer and 1 - sigma(beta (z0 - r)) weighted by "
+        "`undesirable_weight` for an undesirable one, r = log pi(y|x)/pi_ref(y|x), z0 the step's "
+        "KL(pi || pi_ref) estimate from mismatched prompt/answer pairs, clamped at 0, no gradient "
+        "(Ethayarajh et al. 2024, KTO, eq. 8).",
+    )
+    beta: float | None = _field(
+        None,
+        "`dpo`, `kto`: the temperature of the implicit reward beta log pi/pi_ref, i.e. the strength of "
+        "the KL penalty that keeps pi near pi_ref (larger: closer); `ipo`: the regularisation tau, "
+        "the target margin being 1/(2 beta); `simpo`: the scale of the length-normalised reward. "
+        "null: 0.1 for dpo, ipo and kto (the papers' and TRL's default), 2.0 for simpo (the SimPO "
+        "paper's settings are 2.0 to 2.5; TRL's CPOTrainer defaults to 0.1); filled in when loaded. "
+        "Must be > 0. ORPO's weight is `orpo_lambda`, not this.",
+    )
+    label_smoothing: float = _field(
+        0.0,
+        "`dpo` only: the probability eps that a pair's preference is flipped (conservative DPO, "
+        "Mitchell 2023; TRL's `label_smoothing`): the loss becomes -(1-eps) log sigma(beta h) - "
+        "eps log sigma(-beta h). In [0, 0.5); 0 is plain DPO. (`loss.label_smoothing` is the "
+        "cross-entropy's, for sft.)",
+    )
+    gamma: float | None = _field(
+        None,
+        "`simpo` only: the target reward margin gamma, in reward units (the paper's gamma, TRL's "
+        "`simpo_gamma`; the SimPO repository's `gamma_beta_ratio` is gamma / beta). null: 1.0, "
+        "so gamma / beta = 0.5 with the default beta 2.0, the ratio SimPO's authors suggest "
+        "starting from (the paper's settings span 0.3 to 1.6); filled in when loaded. Must be >= 0.",
+    )
+    orpo_lambda: float | None = _field(
+        None,
+        "`orpo` only: lambda, the weight of the odds-ratio term beside the chosen answer's NLL (TRL "
+        "calls it `beta`; it is a weight, not a temperature like DPO's beta, hence its own key). "
+        "null: 0.1, the paper's and TRL's value; filled in when loaded. Must be > 0 (0 is `sft` on "
+        "the chosen answers).",
+    )
+    desirable_weight: float = _field(
+        1.0,
+        "`kto` only: lambda_D, the weight of a desirable answer's loss (TRL's `desirable_weight`). "
+        "The KTO paper advises lambda_D n_D / (lambda_U n_U) in [1, 4/3], n_D and n_U the counts of "
+        "desirable and undesirable answers: with unbalanced data, lower the weight of the more "
+        "frequent kind. Must be > 0.",
+    )
+    undesirable_weight: float = _field(
+        1.0, "`kto` only: lambda_U, the weight of an undesirable answer's loss (see `desirable_weight`). "
+        "Must be > 0."
+    )
+    reference: Literal["auto", "model", "none"] = _field(
+        "auto",
+        "Where the reference log-probabilities log pi_ref(y|x) come from. `model`: the starting model, "
+        "frozen (with `lora`, the same weights with the adapters off; for full fine-tuning, a frozen "
+        "copy), needed by dpo, ipo and kto; `none`: no reference, for the reference-free simpo and "
+        "orpo. `auto`: `model` for dpo, ipo and kto, `none` for simpo and orpo. Other combinations "
+        "are refused: dpo, ipo and kto are defined against a reference, and simpo and orpo never "
+        "read one.",
+    )
+
+    def __post_init__(self) -> None:
+        for key, defaults in OBJECTIVE_DEFAULTS.items():
+            if getattr(self, key) is None and self.name in defaults:
+                setattr(self, key, defaults[self.name])
+
+    @property
+    def preference(self) -> bool:
+        """Whether this objective trains on preference data (every objective but `sft`)."""
+        return self.name != "sft"
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the step needs the frozen reference model's log-probabilities (`reference`)."""
+        return self.reference == "model" or (self.reference == "auto" and self.name in REFERENCE_OBJECTIVES)
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = []
+        unset = {f.name: f.default for f in dataclasses.fields(self)}
+        for key, readers in OBJECTIVE_KEYS.items():
+            value = getattr(self, key)
+            if self.name not in readers and value != unset[key]:
+                hint = " (orpo's weight is `orpo_lambda`)" if key == "beta" and self.name == "orpo" else ""
+                problems.append((key, f"applies to {_names(readers, 'and')} only, and objective.name is "
+                                 f"{self.name}: remove it{hint}"))
+        reads = {key: self.name in readers for key, readers in OBJECTIVE_KEYS.items()}
+        # Ranges are checked where the key applies (elsewhere it is refused above).
+        if reads["beta"] and not self.beta > 0:
+            problems.append(("beta", f"must be > 0, got {self.beta}"))
+        if reads["label_smoothing"] and not 0.0 <= self.label_smoothing < 0.5:
+            problems.append(("label_smoothing", f"must be in [0, 0.5), got {self.label_smoothing} "
+                             "(at 0.5 a pair says nothing; past it the preference is reversed)"))
+        if reads["gamma"] and self.gamma < 0:
+            problems.append(("gamma", f"must be >= 0, got {self.gamma}"))
+        if reads["orpo_lambda"] and not self.orpo_lambda > 0:
+            problems.append(("orpo_lambda", f"must be > 0, got {self.orpo_lambda} (0 is `sft` on the chosen "
+                             "answers: set objective.name: sft)"))
+        for key in ("desirable_weight", "undesirable_weight"):
+            if reads[key] and not getattr(self, key) > 0:
+                problems.append((key, f"must be > 0, got {getattr(self, key)}"))
+        if self.name in REFERENCE_OBJECTIVES and self.reference == "none":
+            problems.append(("reference", f"{self.name} measures its reward against a reference model: use "
+                             "`model` (or `auto`), or a reference-free objective (simpo, orpo)"))
+        if self.name in ("simpo", "orpo") and self.reference == "model":
+            problems.append(("reference", f"{self.name} is reference-free and never reads a reference model: "
+                             "use `none` (or `auto`), or an objective that uses one (dpo, ipo, kto)"))
+        return problems
+
+
+def objective_data_problem(name: str, fmt: str) -> str | None:
+    """Why the objective `name` cannot train on records of format `fmt`, or None when it can (`auto`
+    is decided when the data is read: `check_objective_data`).
+
+    KTO reads paired data too: each pair gives two examples, the chosen answer desirable and the
+    rejected one undesirable (`ligertune.data.preference.unpair`).
+    """
+    if fmt == "auto":
+        return None
+    if name == "sft" and fmt in PREFERENCE_FORMATS:
+        return (f"{fmt} is preference data, which objective.name sft does not read: use a chat format "
+                f"({', '.join(SFT_FORMATS)}), or a preference objective (objective.name: dpo, ipo, simpo, "
+                "orpo, kto)")
+    if name != "sft" and fmt in SFT_FORMATS:
+        return (f"{fmt} is chat data for supervised fine-tuning; objective.name {name} reads preference "
+                f"data: use {_names(_formats_of(name))}, or objective.name: sft")
+    if name in PAIRED_OBJECTIVES and fmt == "unpaired":
+        return (f"unpaired answers (one answer with a label) cannot train {name}, which compares a chosen "
+                "with a rejected answer: use paired data, or objective.name: kto")
+    return None
+
+
+def check_objective_data(objective: ObjectiveConfig, detected_format: str, *, where: str = "data") -> None:
+    """Refuse, in one line, data detected (`data.format: auto`) as a format the objective cannot read;
+    `where` names the source (a file, or `data.sources[1]`)."""
+    problem = objective_data_problem(objective.name, detected_format)
+    if problem is not None:
+        raise UserError(f"{where}: the records are {problem}")
+
+
+def _formats_of(name: str) -> tuple[str, ...]:
+    if name == "sft":
+        return SFT_FORMATS
+    return PREFERENCE_FORMATS if name == "kto" else ("paired", "paired_conversations")
+
+
+def _names(items: tuple[str, ...], conjunction: str = "or") -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} {conjunction} {items[-1]}"
 
 
 @dataclass
@@ -446,6 +647,7 @@ class Recipe:
     model: ModelConfig = _field(doc="The model.", factory=ModelConfig)
     data: DataConfig = _field(doc="The data.", factory=DataConfig)
     kernels: KernelsConfig = _field(doc="Kernel flags.", factory=KernelsConfig)
+    objective: ObjectiveConfig = _field(doc="What a step optimises.", factory=ObjectiveConfig)
     loss: LossConfig = _field(doc="The loss.", factory=LossConfig)
     lora: LoraConfig | None = _field(None, "LoRA adapters; absent or null trains every weight.")
     optim: OptimConfig = _field(doc="Optimizer and schedule.", factory=OptimConfig)
@@ -459,10 +661,21 @@ class Recipe:
         if self.data.packing and self.model.attention != "packed":
             problems.append(("data.packing", "packing needs `model.attention: packed`; with "
                              f"{self.model.attention!r} packed conversations would attend to each other"))
+        for key, fmt in self._data_formats():
+            problem = objective_data_problem(self.objective.name, fmt)
+            if problem is not None:
+                problems.append((key, problem))
         if self.model.quantization is not None and self.lora is None:
             problems.append(("model.quantization", f"a quantized base ({self.model.quantization}) is frozen: "
                              "train LoRA adapters over it (add a `lora` section, e.g. `--set lora.r=16`)"))
         return problems
+
+    def _data_formats(self) -> list[tuple[str, str]]:
+        """(key path, format) of each format the data sets: `data.format`, and each source's own."""
+        found = [("data.format", self.data.format)]
+        found += [(f"data.sources[{i}].format", s.format) for i, s in enumerate(self.data.sources)
+                  if s.format != "auto"]
+        return found
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

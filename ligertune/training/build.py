@@ -95,6 +95,9 @@ def build_data(recipe: Recipe, tokenizer, *, show_progress: bool = True) -> Trai
     """Read, tokenize, mask and pack the recipe's training and held-out conversations, once
     `data.max_seq_len` is known to fit the model (`check_max_seq_len`); `warnings` of the result
     says what was left out on the way."""
+    from ligertune.objectives import build_objective
+
+    build_objective(recipe)  # an objective the trainer cannot run yet is refused before any data is read
     check_max_seq_len(recipe, vocab_size=len(tokenizer))
     prepared = prepare_data(recipe.data, tokenizer, seed=recipe.train.seed, show_progress=show_progress)
     if not prepared.train:

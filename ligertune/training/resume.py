@@ -10,11 +10,12 @@ resumed run with the same settings flags the same spikes).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 from ligertune.errors import UserError
-from ligertune.recipe import Recipe
+from ligertune.recipe import ObjectiveConfig, Recipe
 
 RESUMABLE_CHANGES = (
     "description",
@@ -40,6 +41,10 @@ RESUMABLE_CHANGES = (
     "output.",
 )
 
+# Sections added to the recipe after checkpoints were first written: a saved recipe without one ran
+# with the section's defaults (which keep what ran before the section existed).
+ADDED_SECTIONS = {"objective": ObjectiveConfig}
+
 
 def check_resumable(saved: dict, recipe: Recipe, checkpoint: Path, *, world_size: int = 1) -> None:
     """Refuse, naming the keys, a recipe that changes the math of the checkpoint's run.
@@ -47,7 +52,10 @@ def check_resumable(saved: dict, recipe: Recipe, checkpoint: Path, *, world_size
     `grad_accum_steps` may change with the number of processes as long as a step takes as many
     packs (`micro_batch_size x grad_accum_steps x processes`): 2 processes x 2 continue as 1 x 4.
     """
-    before, after = _flatten(saved["recipe"]), _flatten(recipe.to_dict())
+    saved_recipe = dict(saved["recipe"])
+    for name, section in ADDED_SECTIONS.items():
+        saved_recipe.setdefault(name, dataclasses.asdict(section()))
+    before, after = _flatten(saved_recipe), _flatten(recipe.to_dict())
     saved_world = saved.get("world_size", 1)
     same_step = (before["train.grad_accum_steps"] * saved_world == recipe.train.grad_accum_steps * world_size)
     changed = sorted(

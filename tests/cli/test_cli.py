@@ -179,3 +179,22 @@ def test_validate_refuses_what_train_would_refuse(tmp_path):
     (tmp_path / "run" / "final").mkdir(parents=True)
     result = runner.invoke(app, ["validate", str(path)])
     assert result.exit_code == 2 and "already holds a finished run" in result.output
+
+
+def test_train_and_validate_say_what_the_data_lost_before_the_first_step(tmp_path: Path):
+    """Skipped records, a held-out split left empty and a warmup cut to a short run are warnings
+    printed before training, not silence."""
+    path = write_recipe(tmp_path, n_train=1, n_eval=0, train={"max_steps": 1, "eval_every": 1},
+                        data={"eval_path": None, "eval_fraction": 0.01, "on_bad_record": "skip"},
+                        optim={"warmup_steps": 5})
+    with (tmp_path / "train.jsonl").open("a", encoding="utf-8") as f:
+        f.write("{not json\n")
+    for command in (["validate", str(path)], ["train", str(path)]):
+        result = runner.invoke(app, command)
+        assert result.exit_code == 0, result.output
+        out = " ".join(result.output.split())  # the console wraps long lines
+        assert "data.on_bad_record: skipped 1 malformed record; the first: " in out
+        assert "train.jsonl:2" in out
+        assert "data.eval_fraction: 0.01 held out no conversation" in out
+        if command[0] == "train":
+            assert "optim.warmup_steps: 5 warmup steps is longer than the run (1 step" in out

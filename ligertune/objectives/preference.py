@@ -98,7 +98,8 @@ def answer_logps(
             f"{tuple(score_targets.shape)}, {tuple(score_answers.shape)}"
         )
     device = hidden.device
-    rows, targets, answers = (t.to(device=device, dtype=torch.long) for t in (score_rows, score_targets, score_answers))
+    rows, targets, answers = (t.to(device=device, dtype=torch.long)
+                              for t in (score_rows, score_targets, score_answers))
     n_tokens = torch.bincount(answers, minlength=num_answers)
     if n_tokens.numel() > num_answers:
         raise ValueError(f"score_answers names answer {n_tokens.numel() - 1}; the batch has {num_answers}")
@@ -434,7 +435,8 @@ class Preference:
             raise ValueError(f"{cfg.loss} needs the reference model's log-probabilities (reference_logps)")
         reference = None if reference is None else reference.to(policy.device)
         mean_logp = policy.detach() / n_tok.clamp(min=1)
-        sums = {"n_tokens": n_tok.sum(), "n_pairs": torch.full((), float(weights.numel()), device=policy.device)}
+        n_pairs = torch.full((), float(weights.numel()), device=policy.device)
+        sums = {"n_tokens": n_tok.sum(), "n_pairs": n_pairs}
         if self.kto:
             desirable = batch.answer_chosen.to(policy.device, torch.bool)
             kl = getattr(batch, "kl_estimate", None)
@@ -447,7 +449,8 @@ class Preference:
                 "n_chosen": desirable.sum().float(), "n_rejected": undesirable.sum().float(),
                 "chosen_reward": (out.chosen_rewards * desirable).sum().float(),
                 "rejected_reward": (out.chosen_rewards * undesirable).sum().float(),
-                "chosen_logp": (mean_logp * desirable).sum(), "rejected_logp": (mean_logp * undesirable).sum(),
+                "chosen_logp": (mean_logp * desirable).sum(),
+                "rejected_logp": (mean_logp * undesirable).sum(),
             }
         else:
             chosen, rejected = pair_answers(batch.answer_pair, batch.answer_chosen, weights.numel())

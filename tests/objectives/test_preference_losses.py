@@ -55,7 +55,8 @@ def make_scores(n_rows: int, vocab: int, n_scores: int, num_answers: int, gen: t
 
 @pytest.mark.parametrize("path", ["reference", "triton"])
 @pytest.mark.parametrize(
-    "dtype, tol", [pytest.param(torch.float32, 1e-5, id="fp32"), pytest.param(torch.bfloat16, 2e-2, id="bf16")]
+    "dtype, tol",
+    [pytest.param(torch.float32, 1e-5, id="fp32"), pytest.param(torch.bfloat16, 2e-2, id="bf16")],
 )
 @pytest.mark.parametrize(
     "n, h, v, s, a, extras",
@@ -73,8 +74,9 @@ def test_answer_logps_matches_explicit_logits(path, dtype, tol, n, h, v, s, a, e
     bias = (torch.randn(v, generator=gen) * 0.1).to(dtype).requires_grad_() if extras else None
     softcap = 3.0 if extras else None
     # A small budget cuts the rows into several chunks.
+    # The head's own options: their smoothing, z-loss and reduction do not apply to log-probabilities.
     options = LossOptions(softcap=softcap, chunk_bytes=4096 if extras else None, label_smoothing=0.3,
-                          z_loss_weight=1e-3, reduction="sum")  # the head's own: smoothing/z-loss do not apply
+                          z_loss_weight=1e-3, reduction="sum")
     rows, targets, answers = make_scores(n, v, s, a, gen)
     grad_out = torch.randn(a, generator=gen, dtype=torch.float64)
 
@@ -112,9 +114,11 @@ def test_answer_logps_without_scores_still_reaches_the_inputs():
     weight = torch.randn(5, 4, requires_grad=True)
     empty = torch.zeros(0, dtype=torch.long)
     out = answer_logps(hidden, weight, empty, empty, empty, 2)
-    assert torch.equal(out.logp_sum, torch.zeros(2)) and torch.equal(out.n_tokens, torch.zeros(2, dtype=torch.long))
+    assert torch.equal(out.logp_sum, torch.zeros(2))
+    assert torch.equal(out.n_tokens, torch.zeros(2, dtype=torch.long))
     out.logp_sum.sum().backward()
-    assert torch.equal(hidden.grad, torch.zeros_like(hidden)) and torch.equal(weight.grad, torch.zeros_like(weight))
+    assert torch.equal(hidden.grad, torch.zeros_like(hidden))
+    assert torch.equal(weight.grad, torch.zeros_like(weight))
 
 
 def test_answer_logps_refuses_an_answer_beyond_the_batch():
@@ -144,7 +148,8 @@ def test_dpo_at_zero_margin_is_log_two_with_or_without_smoothing():
 
 @pytest.mark.parametrize("eps", [0.0, 0.2], ids=["plain", "smoothed"])
 def test_dpo_matches_its_formula(eps):
-    pc, pr, rc, rr, beta = [-3.5, -12.0, -1.0], [-6.0, -4.0, -30.0], [-4.0, -10.0, -2.0], [-5.0, -5.0, -20.0], 0.7
+    pc, pr, beta = [-3.5, -12.0, -1.0], [-6.0, -4.0, -30.0], 0.7
+    rc, rr = [-4.0, -10.0, -2.0], [-5.0, -5.0, -20.0]
     out = dpo_loss(t64(*pc), t64(*pr), t64(*rc), t64(*rr), beta=beta, label_smoothing=eps)
     expected, chosen, rejected = [], [], []
     for a, b, c, d in zip(pc, pr, rc, rr):
@@ -160,7 +165,8 @@ def test_dpo_matches_its_formula(eps):
 
 def test_dpo_label_smoothing_is_the_flipped_pair_mixed_in():
     args = (t64(-3.0), t64(-6.0), t64(-4.0), t64(-4.5))
-    plain, flipped = dpo_loss(*args, beta=0.5).losses, dpo_loss(args[1], args[0], args[3], args[2], beta=0.5).losses
+    plain = dpo_loss(*args, beta=0.5).losses
+    flipped = dpo_loss(args[1], args[0], args[3], args[2], beta=0.5).losses
     smoothed = dpo_loss(*args, beta=0.5, label_smoothing=0.25).losses
     torch.testing.assert_close(smoothed, 0.75 * plain + 0.25 * flipped, rtol=1e-14, atol=0)
     assert not torch.allclose(smoothed, plain)
@@ -174,9 +180,11 @@ def test_dpo_does_not_train_the_reference():
 
 
 def test_ipo_matches_its_formula_on_token_means():
-    pc, pr, rc, rr, nc, nr, beta = [-6.0, -2.0], [-9.0, -1.0], [-4.0, -3.0], [-8.0, -2.5], [3, 1], [5, 2], 0.25
+    pc, pr, rc, rr = [-6.0, -2.0], [-9.0, -1.0], [-4.0, -3.0], [-8.0, -2.5]
+    nc, nr, beta = [3, 1], [5, 2], 0.25
     out = ipo_loss(t64(*pc), t64(*pr), t64(*rc), t64(*rr), torch.tensor(nc), torch.tensor(nr), beta=beta)
-    expected = [((a - c) / n - (b - d) / k - 1 / (2 * beta)) ** 2 for a, b, c, d, n, k in zip(pc, pr, rc, rr, nc, nr)]
+    expected = [((a - c) / n - (b - d) / k - 1 / (2 * beta)) ** 2
+                for a, b, c, d, n, k in zip(pc, pr, rc, rr, nc, nr)]
     torch.testing.assert_close(out.losses, t64(*expected), rtol=1e-14, atol=0)
     torch.testing.assert_close(out.chosen_rewards, t64(*[beta * (a - c) / n for a, c, n in zip(pc, rc, nc)]),
                                rtol=1e-14, atol=0)
@@ -224,7 +232,8 @@ def test_kto_matches_its_formula_and_signs():
     p, ref = t64(-3.0, -3.0, -8.0, -8.0), t64(-5.0, -5.0, -6.0, -6.0)
     desirable = torch.tensor([True, False, True, False])
     beta, z, wd, wu = 0.5, 0.4, 1.0, 1.5
-    out = kto_loss(p.clone().requires_grad_(), ref, desirable, z, beta=beta, desirable_weight=wd, undesirable_weight=wu)
+    out = kto_loss(p.clone().requires_grad_(), ref, desirable, z, beta=beta,
+                   desirable_weight=wd, undesirable_weight=wu)
     sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
     expected = [wd * (1 - sig(beta * (2 - z))), wu * (1 - sig(beta * (z - 2))),
                 wd * (1 - sig(beta * (-2 - z))), wu * (1 - sig(beta * (z + 2)))]
@@ -291,7 +300,8 @@ class ToyScorer(nn.Module):
         self.proj = nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=gen, dtype=torch.float64) / HIDDEN**0.5)
         self.explicit_logits = explicit_logits
 
-    def forward(self, input_ids, position_ids, score_rows, score_targets, score_answers, num_answers, **attention):
+    def forward(self, input_ids, position_ids, score_rows, score_targets, score_answers, num_answers,
+                **attention):
         hidden = torch.tanh(self.embed[input_ids.reshape(-1)] + self.pos[position_ids.reshape(-1)])
         if self.explicit_logits:  # the float64 oracle
             logp = oracle_logps(hidden, self.proj, score_rows, score_targets, score_answers, num_answers)
@@ -328,7 +338,8 @@ def collate_toy(units, indices, reference: torch.Tensor) -> ToyBatch:
     ref = torch.cat([reference[f:f + n] for f, n in zip(first, per_unit)])
     long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
     return ToyBatch(long([pack.input_ids]), long([pack.position_ids]), long(pack.score_rows),
-                    long(pack.score_targets), long(pack.score_answers), answer_pair, chosen, ref, kl_estimate=0.3)
+                    long(pack.score_targets), long(pack.score_answers), answer_pair, chosen, ref,
+                    kl_estimate=0.3)
 
 
 SPLITS = {"1x4": [[0, 1, 2, 3]], "4x1": [[2], [0], [3], [1]], "2x2": [[3, 1], [0, 2]]}
@@ -370,7 +381,8 @@ def test_step_loss_and_gradient_do_not_depend_on_the_batching(loss, explicit_log
                    whole.score_answers, n_answers)
     p, n = logps.logp_sum.detach(), logps.n_tokens
     if kto:
-        expected = kto_loss(p, reference, whole.answer_chosen, 0.3, beta=0.4, undesirable_weight=1.3).losses.mean()
+        expected = kto_loss(p, reference, whole.answer_chosen, 0.3, beta=0.4,
+                            undesirable_weight=1.3).losses.mean()
     else:
         c, r = torch.arange(0, n_answers, 2), torch.arange(1, n_answers, 2)
         expected = {

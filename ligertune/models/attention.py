@@ -30,6 +30,23 @@ function of every layer (`packed_attention_kwargs` builds them; beside them the 
   by one (the rule `transformers` itself uses to detect packed rows), else plain causal attention.
 
 Sliding-window layers (Mistral, Qwen2, Gemma 2/3) keep their window inside each conversation.
+
+Preference packs (`ligertune.data.preference`) need more than blocks on the diagonal: a pair's
+rejected answer attends to the prompt's rows and its own, not to the chosen answer between them.
+Their kwargs (`preference_attention_kwargs`) add `key_index`, and the query and key boundaries
+differ: segment s has the query rows `cu_seq_lens_q[s]:cu_seq_lens_q[s+1]` and the key rows
+`key_index[cu_seq_lens_k[s]:cu_seq_lens_k[s+1]]`, causal aligned to the end (query j of a segment of
+q queries and k keys sees keys 0 .. k - q + j, FlashAttention's convention):
+
+    rows        p0 p1 p2 c0 c1 c2 r0 r1          positions 0 1 2 3 4 5 3 4
+    segments    q: p0..p2  c0..c2  r0..r1
+                k: p0..p2  p0..p2 c0..c2  p0..p2 r0..r1
+    key_index   [0 1 2  0 1 2 3 4 5  0 1 2 6 7]
+
+The function gathers the key and value rows by `key_index`, then runs the varlen kernel with the two
+sets of boundaries (CUDA, half precision, where torch's `varlen_attn` runs FlashAttention, whose
+causal mask is aligned to the end) or SDPA with the dense mask of queries x gathered keys
+(`end_aligned_causal_mask`) everywhere else. A batch without `key_index` takes the paths above.
 """
 
 from __future__ import annotations
@@ -121,6 +138,62 @@ def packed_attention_kwargs(
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
+def preference_attention_kwargs(
+    cu_seqlens_q: torch.Tensor | Sequence[int],
+    cu_seqlens_k: torch.Tensor | Sequence[int],
+    key_index: torch.Tensor | Sequence[int],
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    *,
+    total_tokens: int,
+    device: torch.device | str | None = None,
+) -> dict[str, Any]:
+    """The forward kwargs of a batch whose segments have their own key rows (preference packs).
+
+    Segment s has the query rows `cu_seqlens_q[s]:cu_seqlens_q[s+1]` of the flattened batch and the
+    key rows `key_index[cu_seqlens_k[s]:cu_seqlens_k[s+1]]`, causal aligned to the end (the module
+    docstring draws a pair). Every row of the batch is a query of exactly one segment
+    (`cu_seqlens_q` runs from 0 to `total_tokens`) and a segment has at least as many keys as
+    queries, so every query sees at least one key. Checked on the host, as in
+    `packed_attention_kwargs` (keep the boundaries on the host: `PreferenceBatch.to` does), then
+    copied to `device` without waiting.
+    """
+    on_host = all(not isinstance(t, torch.Tensor) or t.device.type == "cpu"
+                  for t in (cu_seqlens_q, cu_seqlens_k, key_index))
+    cu_q = torch.as_tensor(cu_seqlens_q).to(dtype=torch.int32)
+    cu_k = torch.as_tensor(cu_seqlens_k).to(dtype=torch.int32)
+    index = torch.as_tensor(key_index).to(dtype=torch.int64)
+    if cu_q.dim() != 1 or cu_q.numel() < 2 or cu_k.shape != cu_q.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must be 1-D, of the same length (at least 2); got "
+                         f"shapes {tuple(cu_q.shape)} and {tuple(cu_k.shape)}")
+    if index.dim() != 1:
+        raise ValueError(f"key_index must be 1-D; got shape {tuple(index.shape)}")
+    widths_q, widths_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    if int(cu_q[0]) != 0 or int(cu_k[0]) != 0 or int(widths_q.min()) < 0:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must start at 0 and never decrease")
+    if int(cu_q[-1]) != total_tokens:
+        raise ValueError(f"cu_seqlens_q ends at {int(cu_q[-1])}: every one of the {total_tokens} tokens "
+                         "must be the query of a segment")
+    if int(cu_k[-1]) != index.numel():
+        raise ValueError(f"cu_seqlens_k ends at {int(cu_k[-1])}, key_index has {index.numel()} entries")
+    if bool((widths_k < widths_q).any()):
+        s = int((widths_k < widths_q).nonzero()[0])
+        raise ValueError(f"segment {s} has {int(widths_q[s])} queries and only {int(widths_k[s])} keys")
+    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= total_tokens):
+        raise ValueError(f"key_index must name rows 0 .. {total_tokens - 1}")
+    longest_q, longest_k = int(widths_q.max()), int(widths_k.max())
+    for given, longest, name in ((max_seqlen_q, longest_q, "max_seqlen_q"), (max_seqlen_k, longest_k, "max_seqlen_k")):
+        if given is not None and int(given) < longest:
+            raise ValueError(f"{name}={int(given)} is shorter than the longest segment ({longest})")
+    longest_q = longest_q if max_seqlen_q is None else int(max_seqlen_q)
+    longest_k = longest_k if max_seqlen_k is None else int(max_seqlen_k)
+    if device is not None:
+        move = (lambda t: to_device(t, device)) if on_host else (lambda t: t.to(device))
+        cu_q, cu_k, index = move(cu_q), move(cu_k), move(index)
+    return {"cu_seq_lens_q": cu_q, "cu_seq_lens_k": cu_k, "max_length_q": longest_q, "max_length_k": longest_k,
+            "key_index": index}
+
+
 # --------------------------------------------------------------------------------------------------
 # The mask function
 
@@ -192,6 +265,9 @@ def packed_attention_forward(
             )
         return _masked_attention(query, key, value, attention_mask, scaling, dropout, softcap, groups), None
 
+    if kwargs.get("key_index") is not None:
+        out = _gathered_attention(query, key, value, kwargs, scaling, dropout, sliding_window, softcap, groups)
+        return out, None
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     if cu_seqlens is not None:
         max_len = kwargs.get("max_length_q")
@@ -286,6 +362,68 @@ def block_causal_mask(
     return allowed[:, None]
 
 
+def end_aligned_causal_mask(
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Boolean [1, 1, Tq, Tk] mask of varlen segments with their own key ranges, causal aligned to the end.
+
+    Query i and key j of the same segment: i sees j iff j is no further from the segment's last key
+    than i is from its last query (query t of q sees keys 0 .. k - q + t), and, with a window W,
+    iff that distance differs by less than W (the positions of a preference answer continue from
+    its prompt, so this is the position difference). `cu_seqlens_*` cover every query and key.
+    """
+    device = cu_seqlens_q.device
+    cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
+
+    def to_end(cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.arange(int(cu[-1]), device=device)
+        segment = torch.searchsorted(cu[1:].contiguous(), idx, right=True)
+        return segment, cu[segment + 1] - idx
+
+    segment_q, back_q = to_end(cu_q)
+    segment_k, back_k = to_end(cu_k)
+    lag = back_k[None, :] - back_q[:, None]
+    allowed = (segment_q[:, None] == segment_k[None, :]) & (lag >= 0)
+    if sliding_window is not None:
+        allowed = allowed & (lag < sliding_window)
+    return allowed[None, None]
+
+
+def _gathered_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kwargs: dict[str, Any],
+    scaling: float,
+    dropout: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    groups: int,
+) -> torch.Tensor:
+    """Attention of varlen segments with their own key rows (`preference_attention_kwargs`): -> [B, L, Hq, D].
+
+    The tokens are flattened to one row, the key and value rows gathered by `key_index`, then the
+    varlen kernel runs with the query and key boundaries, or SDPA with `end_aligned_causal_mask`.
+    """
+    batch, heads, q_len, head_dim = query.shape
+    cu_q, cu_k, index = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"], kwargs["key_index"]
+
+    def one_row(x: torch.Tensor) -> torch.Tensor:  # [B, H, L, D] -> [1, H, B * L, D]
+        return x.transpose(0, 1).reshape(1, x.shape[1], batch * q_len, head_dim) if batch > 1 else x
+
+    query = one_row(query)
+    key, value = one_row(key).index_select(2, index), one_row(value).index_select(2, index)
+    if _varlen_applies(query, dropout, softcap, sliding_window) and _varlen_aligns_to_end(query.device):
+        out = _varlen_attention(query, key, value, cu_q, kwargs.get("max_length_q"), scaling, sliding_window,
+                                groups, cu_seqlens_k=cu_k, max_len_k=kwargs.get("max_length_k"))
+    else:
+        mask = end_aligned_causal_mask(cu_q, cu_k, sliding_window)
+        out = _masked_attention(query, key, value, mask, scaling, dropout, softcap, groups)
+    return out.reshape(batch, q_len, heads, head_dim)
+
+
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     """[B, Hk, S, D] -> [B, Hk * groups, S, D], each key/value head shared by `groups` query heads."""
     if groups == 1:
@@ -337,6 +475,20 @@ def _masked_attention(
 
 
 @functools.cache
+def _varlen_aligns_to_end(device: torch.device) -> bool:
+    """Whether `varlen_attn` runs FlashAttention on `device`, whose causal mask is aligned to the end
+    when a segment has more keys than queries (torch's `_flash_attention_forward`, FlashAttention 2).
+
+    Some releases send it to cuDNN instead on some GPUs (`_should_use_cudnn`), whose alignment we do
+    not rely on: segments with their own key rows then take SDPA with the explicit mask.
+    """
+    from torch.nn.attention import varlen
+
+    uses_cudnn = getattr(varlen, "_should_use_cudnn", None)
+    return uses_cudnn is None or not uses_cudnn(device.index if device.index is not None else 0)
+
+
+@functools.cache
 def _varlen_function() -> tuple[Callable | None, frozenset[str]]:
     """`varlen_attn` and the names of its parameters, or (None, {}) when this torch lacks it.
 
@@ -375,13 +527,24 @@ def _varlen_attention(
     scaling: float,
     sliding_window: int | None,
     groups: int,
+    *,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_len_k: int | None = None,
 ) -> torch.Tensor:
-    """FlashAttention over the flattened tokens: [B, H, L, D] -> [B*L, H, D] -> [B, L, H, D]."""
+    """FlashAttention over the flattened tokens: [B, H, L, D] -> [B*L, H, D] -> [B, L, H, D].
+
+    Keys and values have the query boundaries, or their own (`cu_seqlens_k`, `max_len_k`: key rows
+    already gathered, [1, Hk, Tk, D]); causal is aligned to the end of each segment.
+    """
     fn, params = _varlen_function()
     batch, heads, seq_len, head_dim = query.shape
     if max_len is None:
         max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     max_len = int(max_len)
+    if cu_seqlens_k is None:
+        cu_seqlens_k, max_len_k = cu_seqlens, max_len
+    elif max_len_k is None:
+        max_len_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
     options: dict[str, Any] = {}
     if "enable_gqa" in params:
         options["enable_gqa"] = groups > 1
@@ -399,7 +562,7 @@ def _varlen_attention(
         options["is_causal"] = True
 
     def flat(x: torch.Tensor) -> torch.Tensor:
-        return x.transpose(1, 2).reshape(batch * seq_len, x.shape[1], head_dim)
+        return x.transpose(1, 2).reshape(-1, x.shape[1], head_dim)
 
-    out = fn(flat(query), flat(key), flat(value), cu_seqlens, cu_seqlens, max_len, max_len, **options)
+    out = fn(flat(query), flat(key), flat(value), cu_seqlens, cu_seqlens_k, max_len, int(max_len_k), **options)
     return out.view(batch, seq_len, heads, head_dim)

@@ -20,7 +20,12 @@ from torch import nn
 from ligertune import kernels
 from ligertune.kernels import LossOptions, LossOutput
 from ligertune.kernels.reference import cross_entropy_rows
-from ligertune.models.attention import PACKED_ATTENTION, conversations_mask, packed_attention_kwargs
+from ligertune.models.attention import (
+    PACKED_ATTENTION,
+    conversations_mask,
+    packed_attention_kwargs,
+    preference_attention_kwargs,
+)
 from ligertune.models.unwrap import decoder_of, output_head_of, plain_projection, unwrap_model
 
 
@@ -144,6 +149,63 @@ class CausalLMLoss(nn.Module):
             )
         logits = head(hidden)
         return causal_lm_loss_from_logits(logits, targets, token_weights=token_weights, options=self.options)
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+        cu_seqlens_k: torch.Tensor | None = None,
+        max_seqlen_k: int | None = None,
+        key_index: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The decoder's last hidden states (after the final norm) of `input_ids` [B, L]: [B * L, H].
+
+        For a loss that scores rows of its own choosing (preference training): it gathers the rows
+        and projects them with `output_projection()`, so no [tokens, vocab] logits are formed.
+        `cu_seqlens` and `max_seqlen` as in `forward`; with `key_index`, they are the query
+        boundaries of segments whose key rows are `key_index[cu_seqlens_k[s]:cu_seqlens_k[s+1]]`
+        (`preference_attention_kwargs`; `PreferenceBatch.attention()` gives all five).
+
+        Under FSDP2 the output projection is gathered by its module's hooks only in a forward of
+        that module: call it within one (as `forward` does), not on a weight read outside.
+        """
+        decoder = decoder_of(self.model)
+        extra = {}
+        if key_index is not None:
+            if cu_seqlens is None or cu_seqlens_k is None:
+                raise ValueError("key_index needs the query and key boundaries, cu_seqlens and cu_seqlens_k")
+            if attention_mask is not None:
+                raise ValueError("key_index gives the whole attention: pass no attention_mask beside it")
+            if decoder.config._attn_implementation != PACKED_ATTENTION:
+                raise ValueError(f"segments with their own key rows need attn_implementation="
+                                 f"{PACKED_ATTENTION!r}; the model has {decoder.config._attn_implementation!r}")
+            extra = preference_attention_kwargs(cu_seqlens, cu_seqlens_k, key_index, max_seqlen, max_seqlen_k,
+                                                total_tokens=input_ids.numel(), device=input_ids.device)
+        elif cu_seqlens is not None:
+            extra = packed_attention_kwargs(cu_seqlens, max_seqlen, total_tokens=input_ids.numel(),
+                                            device=input_ids.device)
+        if extra and attention_mask is None and decoder.config._attn_implementation == PACKED_ATTENTION:
+            attention_mask = conversations_mask(input_ids.device)
+        out = decoder(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+            use_cache=False, **extra,
+        )
+        hidden = out.last_hidden_state
+        return hidden.reshape(-1, hidden.shape[-1])
+
+    def output_projection(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The output layer as `(weight [V, H], bias [V] or None)`, or None when it is not one weight
+        matrix (a LoRA-adapted `lm_head`: call `output_layer` on the rows instead)."""
+        return plain_projection(output_head_of(self.model))
+
+    @property
+    def output_layer(self) -> nn.Module:
+        """The model's output layer (hidden states -> logits)."""
+        return output_head_of(self.model)
 
     def extra_repr(self) -> str:
         """The loss that runs: the fused kernel and its path on the projection's device, or the

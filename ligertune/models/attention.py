@@ -182,7 +182,8 @@ def preference_attention_kwargs(
     if index.numel() and (int(index.min()) < 0 or int(index.max()) >= total_tokens):
         raise ValueError(f"key_index must name rows 0 .. {total_tokens - 1}")
     longest_q, longest_k = int(widths_q.max()), int(widths_k.max())
-    for given, longest, name in ((max_seqlen_q, longest_q, "max_seqlen_q"), (max_seqlen_k, longest_k, "max_seqlen_k")):
+    limits = ((max_seqlen_q, longest_q, "max_seqlen_q"), (max_seqlen_k, longest_k, "max_seqlen_k"))
+    for given, longest, name in limits:
         if given is not None and int(given) < longest:
             raise ValueError(f"{name}={int(given)} is shorter than the longest segment ({longest})")
     longest_q = longest_q if max_seqlen_q is None else int(max_seqlen_q)
@@ -190,8 +191,8 @@ def preference_attention_kwargs(
     if device is not None:
         move = (lambda t: to_device(t, device)) if on_host else (lambda t: t.to(device))
         cu_q, cu_k, index = move(cu_q), move(cu_k), move(index)
-    return {"cu_seq_lens_q": cu_q, "cu_seq_lens_k": cu_k, "max_length_q": longest_q, "max_length_k": longest_k,
-            "key_index": index}
+    return {"cu_seq_lens_q": cu_q, "cu_seq_lens_k": cu_k, "max_length_q": longest_q,
+            "max_length_k": longest_k, "key_index": index}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -266,8 +267,8 @@ def packed_attention_forward(
         return _masked_attention(query, key, value, attention_mask, scaling, dropout, softcap, groups), None
 
     if kwargs.get("key_index") is not None:
-        out = _gathered_attention(query, key, value, kwargs, scaling, dropout, sliding_window, softcap, groups)
-        return out, None
+        args = (scaling, dropout, sliding_window, softcap, groups)
+        return _gathered_attention(query, key, value, kwargs, *args), None
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     if cu_seqlens is not None:
         max_len = kwargs.get("max_length_q")
@@ -564,5 +565,6 @@ def _varlen_attention(
     def flat(x: torch.Tensor) -> torch.Tensor:
         return x.transpose(1, 2).reshape(-1, x.shape[1], head_dim)
 
-    out = fn(flat(query), flat(key), flat(value), cu_seqlens, cu_seqlens_k, max_len, int(max_len_k), **options)
+    out = fn(flat(query), flat(key), flat(value), cu_seqlens, cu_seqlens_k, max_len, int(max_len_k),
+             **options)
     return out.view(batch, seq_len, heads, head_dim)

@@ -182,7 +182,8 @@ class CausalLMLoss(nn.Module):
                 raise ValueError("key_index gives the whole attention: pass no attention_mask beside it")
             if decoder.config._attn_implementation != PACKED_ATTENTION:
                 raise ValueError(f"segments with their own key rows need attn_implementation="
-                                 f"{PACKED_ATTENTION!r}; the model has {decoder.config._attn_implementation!r}")
+                                 f"{PACKED_ATTENTION!r}; the model has "
+                                 f"{decoder.config._attn_implementation!r}")
             extra = preference_attention_kwargs(cu_seqlens, cu_seqlens_k, key_index, max_seqlen, max_seqlen_k,
                                                 total_tokens=input_ids.numel(), device=input_ids.device)
         elif cu_seqlens is not None:

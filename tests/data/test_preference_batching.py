@@ -22,7 +22,7 @@ _ = IGNORE_INDEX
 
 
 def pair(base: int, p: int, c: int, r: int, unscored: int = 0) -> PreferenceExample:
-    """A pair with prompt p, answers c and r tokens; the first `unscored` tokens of each answer are not scored."""
+    """A pair: prompt p, answers c and r tokens; the first `unscored` tokens of each answer unscored."""
     ids = [base + i for i in range(p + c + r)]
     labels = [_] * p
     for n in (c, r):
@@ -66,7 +66,8 @@ def test_pair_packs_are_laid_end_to_end_with_every_index_offset(groups):
     # Attention: the dense mask of the batch's segments is the packs' own masks on the diagonal.
     assert batch.cu_seqlens_q.dtype == batch.cu_seqlens_k.dtype == torch.int32
     assert batch.cu_seqlens_q[-1] == total and batch.cu_seqlens_k[-1] == batch.key_index.numel()
-    mask = dense_mask(batch.cu_seqlens_q.tolist(), batch.cu_seqlens_k.tolist(), batch.key_index.tolist(), total)
+    mask = dense_mask(batch.cu_seqlens_q.tolist(), batch.cu_seqlens_k.tolist(), batch.key_index.tolist(),
+                      total)
     assert torch.equal(mask, torch.block_diag(*[p.attention_mask() for p in packs]))
     widths_q = (batch.cu_seqlens_q[1:] - batch.cu_seqlens_q[:-1]).tolist()
     widths_k = (batch.cu_seqlens_k[1:] - batch.cu_seqlens_k[:-1]).tolist()
@@ -75,7 +76,8 @@ def test_pair_packs_are_laid_end_to_end_with_every_index_offset(groups):
     # Scores: every pack's triples, rows offset by the pack's start, answers by the answers before.
     expected, row0, answer0 = [], 0, 0
     for p in packs:
-        expected += [(row0 + r, t, answer0 + a) for r, t, a in zip(p.score_rows, p.score_targets, p.score_answers)]
+        triples = zip(p.score_rows, p.score_targets, p.score_answers)
+        expected += [(row0 + r, t, answer0 + a) for r, t, a in triples]
         row0, answer0 = row0 + len(p), answer0 + p.num_answers
     got = list(zip(batch.score_rows.tolist(), batch.score_targets.tolist(), batch.score_answers.tolist()))
     assert got == expected
@@ -99,7 +101,8 @@ def test_kto_packs_carry_each_label():
     assert batch.answer_chosen.tolist() == [False, False, True]
     assert batch.answer_tokens.tolist() == [4, 1, 2]
     total = batch.num_tokens
-    mask = dense_mask(batch.cu_seqlens_q.tolist(), batch.cu_seqlens_k.tolist(), batch.key_index.tolist(), total)
+    mask = dense_mask(batch.cu_seqlens_q.tolist(), batch.cu_seqlens_k.tolist(), batch.key_index.tolist(),
+                      total)
     assert torch.equal(mask, torch.block_diag(*[p.attention_mask() for p in packs]))
     assert batch.key_index.tolist() == list(range(total))  # KTO units are plain causal segments
 
@@ -121,7 +124,8 @@ def test_mixed_or_empty_batches_are_refused():
 def test_to_keeps_the_attention_boundaries_on_the_host():
     batch = collate_preferences([make_preference_pack(PAIRS, [0, 1])])
     moved = batch.to("meta")
-    assert moved.input_ids.device.type == moved.score_rows.device.type == moved.answer_chosen.device.type == "meta"
+    for name in ("input_ids", "position_ids", "score_rows", "score_answers", "answer_chosen", "answer_tokens"):
+        assert getattr(moved, name).device.type == "meta"
     for name in ("cu_seqlens_q", "cu_seqlens_k", "key_index"):
         assert getattr(moved, name).device.type == "cpu"
     assert moved.max_seqlen_k == batch.max_seqlen_k and moved.kto is False

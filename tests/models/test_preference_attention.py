@@ -50,7 +50,8 @@ def make_units(shapes, kto: bool, seed: int = 0):
             units.append(KTOExample(input_ids=ids, labels=labels, prompt_len=p, answer_lens=tuple(lens),
                                     desirable=k % 2 == 0))
         else:
-            units.append(PreferenceExample(input_ids=ids, labels=labels, prompt_len=p, answer_lens=tuple(lens)))
+            units.append(PreferenceExample(input_ids=ids, labels=labels, prompt_len=p,
+                                           answer_lens=tuple(lens)))
     return units
 
 
@@ -81,7 +82,7 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, rows, targets) ->
 
 
 def alone_logprobs(model, answers):
-    """Each answer's scored-token log-probs with its conversation run alone (`transformers` sdpa attention)."""
+    """Each answer's scored-token log-probs, its conversation run alone (`transformers`' sdpa attention)."""
     weight = model.lm_head.weight
     out = []
     for ids, labels in answers:
@@ -119,7 +120,8 @@ def test_packed_answers_score_as_each_conversation_alone(family, case):
     (w * alone).sum().backward()
     ref_params = dict(reference.named_parameters())
     for name, p in head.model.named_parameters():
-        torch.testing.assert_close(p.grad, ref_params[name].grad, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, ref_params[name].grad, **TOL,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 @torch.no_grad()
@@ -132,7 +134,8 @@ def test_sft_boundaries_let_the_rejected_answer_see_the_chosen_one():
     weight, _ = head.output_projection()
     good = token_logprobs(head.hidden_states(batch.input_ids, batch.position_ids, **batch.attention()),
                           weight, batch.score_rows, batch.score_targets)
-    unit_bounds = torch.tensor([0, *torch.tensor([len(u) for u in units]).cumsum(0).tolist()], dtype=torch.int32)
+    unit_bounds = torch.tensor([0, *torch.tensor([len(u) for u in units]).cumsum(0).tolist()],
+                               dtype=torch.int32)
     blocks = token_logprobs(head.hidden_states(batch.input_ids, batch.position_ids, cu_seqlens=unit_bounds),
                             weight, batch.score_rows, batch.score_targets)
     chosen = batch.answer_chosen[batch.score_answers]

@@ -124,7 +124,8 @@ def test_mixed_or_empty_batches_are_refused():
 def test_to_keeps_the_attention_boundaries_on_the_host():
     batch = collate_preferences([make_preference_pack(PAIRS, [0, 1])])
     moved = batch.to("meta")
-    moved_fields = ("input_ids", "position_ids", "score_rows", "score_answers", "answer_chosen", "answer_tokens")
+    moved_fields = ("input_ids", "position_ids", "score_rows", "score_answers", "answer_chosen",
+                    "answer_tokens")
     for name in moved_fields:
         assert getattr(moved, name).device.type == "meta"
     for name in ("cu_seqlens_q", "cu_seqlens_k", "key_index"):

@@ -21,6 +21,7 @@ import torch
 
 from ligertune.devices import DTYPES, release_memory, resolve_device, resolve_dtype
 from ligertune.errors import UserError
+from ligertune.files import write_atomic_dir
 from ligertune.inference import (
     MODEL_CONFIG,
     ModelSource,
@@ -35,7 +36,6 @@ from ligertune.inference import (
 )
 from ligertune.numerics import relative_error
 from ligertune.recipe import ModelConfig
-from ligertune.files import write_atomic_dir
 from ligertune.training.run_dir import CHECKPOINTS
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}

@@ -48,11 +48,10 @@ from ligertune.errors import UserError
 from ligertune.models import decoder_of, load_tokenizer, unpatch_model
 from ligertune.models.lora import patch_lora, unpatch_lora
 from ligertune.numerics import relative_error
-from ligertune.recipe import LossConfig, Recipe
-from ligertune.training.build import build_device, build_head, build_model, patch_kernels
 from ligertune.objectives import build_objective
 from ligertune.objectives.normalization import step_token_weights
-from ligertune.training.build import strategy
+from ligertune.recipe import LossConfig, Recipe
+from ligertune.training.build import build_device, build_head, build_model, patch_kernels, strategy
 from ligertune.training.step import pad_token_id
 
 MODES = ("token", "sequence", "sum")

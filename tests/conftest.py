@@ -16,7 +16,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-
 from tiny_recipe import write_recipe  # noqa: E402
 
 

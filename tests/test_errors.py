@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tiny_recipe import QUICKSTART, ROOT, write_recipe
 from typer.testing import CliRunner
 
-from tiny_recipe import QUICKSTART, ROOT, write_recipe
 from ligertune import hub
 from ligertune.cli.main import app
 from ligertune.data import chat
@@ -208,7 +208,7 @@ def test_markup_in_paths_is_printed_as_written(tmp_path):
     assert shown.exit_code == 0, shown.output
     assert "[bold]runs" in shown.output
     line = error_line(invoke("validate", path, "--set", "data.path=[b]missing[/b].jsonl"))
-    assert line == f"error: [b]missing[/b].jsonl: data file not found"
+    assert line == "error: [b]missing[/b].jsonl: data file not found"
 
 
 def test_bracketed_text_survives_in_messages(recipe, monkeypatch):

@@ -8,6 +8,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from tiny_recipe import write_recipe
 from typer.testing import CliRunner
 
 from ligertune.cli.main import app
@@ -15,7 +16,6 @@ from ligertune.errors import RecipeError, UserError
 from ligertune.objectives import SFT, build_objective
 from ligertune.recipe import ObjectiveConfig, Recipe, check_objective_data, load_recipe, recipe_from_dict
 from ligertune.training.resume import check_resumable
-from tiny_recipe import write_recipe
 
 MINIMAL = {"model": {"config": "llama-tiny"}, "data": {"path": "train.jsonl"}}
 PAIRED = {"path": "train.jsonl", "format": "paired"}

@@ -6,12 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
+from tiny_recipe import write_recipe
 from typer.testing import CliRunner
 
 from ligertune.cli.main import app
 from ligertune.recipe import load_recipe
 from ligertune.verify import verify_loss
-from tiny_recipe import write_recipe
 
 
 @pytest.fixture

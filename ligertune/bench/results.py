@@ -18,7 +18,6 @@ import torch
 
 from ligertune.bench.timing import Timing
 
-
 # --------------------------------------------------------------------------------------------------
 # bench kernels
 

@@ -171,6 +171,7 @@ def step(
 
     Example: [bold]ligertune bench step recipes/bench/llama-3.2-1b.yaml --steps 10 --json step.json[/]
     """
+    from ligertune.bench.caps import run_memory_caps
     from ligertune.bench.report import (
         cap_table,
         plot_frontier,
@@ -179,7 +180,6 @@ def step(
         step_table,
         write_json,
     )
-    from ligertune.bench.caps import run_memory_caps
     from ligertune.bench.step import StepBenchConfig, run_step_bench
     from ligertune.errors import UserError
     from ligertune.recipe import load_recipe

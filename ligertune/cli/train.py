@@ -47,8 +47,8 @@ def train(
     """
     from ligertune.distributed import is_main_process, launch, topology_from_environment
     from ligertune.recipe import load_recipe
-    from ligertune.training import train as run_training
     from ligertune.training import RunInterrupted
+    from ligertune.training import train as run_training
 
     overrides = list(set_ or [])
     if output_dir is not None:  # quoted: a folder name is text, never YAML ("runs/#1", "[x]")

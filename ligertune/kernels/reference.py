@@ -19,7 +19,6 @@ import torch
 from ligertune.kernels.chunked_loss import ChunkLoss, chunked_linear_cross_entropy
 from ligertune.kernels.types import LossOptions, LossOutput
 
-
 # ---------------------------------------------------------------------------------------------
 # Fused linear cross-entropy
 # ---------------------------------------------------------------------------------------------

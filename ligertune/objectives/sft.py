@@ -15,8 +15,8 @@ from torch import nn
 
 from ligertune.data import Batch, PaddedBatch
 from ligertune.objectives.base import MicroBatchLoss
-from ligertune.recipe import LossConfig
 from ligertune.objectives.normalization import step_token_weights
+from ligertune.recipe import LossConfig
 
 
 class SFT:

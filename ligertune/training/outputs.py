@@ -12,6 +12,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from ligertune.errors import UserError
 from ligertune.files import write_atomic_text
 from ligertune.metrics import MetricsLog
 from ligertune.plotting import plot_metrics
@@ -47,8 +48,6 @@ class Outputs:
         run's logs. `resume_after=k` continues the logs of a run resumed at step k; the spike log is
         opened when the spike watch is on or the resumed run left one (cut back like metrics.jsonl:
         the resumed run flags those steps again)."""
-        from ligertune.errors import UserError
-
         lock = claim_output_dir(output_dir, replace=replace,
                                 notice=lambda text: console.print(text, markup=False))
         try:

@@ -26,7 +26,6 @@ from ligertune.training.run import Run, StepStats
 from ligertune.training.spikes import find_spike, remember
 from ligertune.training.state import RunState
 
-
 # --------------------------------------------------------------------------------------------------
 # batches
 

@@ -30,9 +30,9 @@ from ligertune.data.chat import TokenizedExample
 from ligertune.data.packing import packs_of_one
 from ligertune.devices import synchronize
 from ligertune.recipe import load_recipe
+from ligertune.training import cleanup, log, next_batches, setup, train_step
 from ligertune.training.build import packs_per_step
 from ligertune.training.state import PackStream
-from ligertune.training import cleanup, log, next_batches, setup, train_step
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "bench" / "llama-3.2-1b.yaml"
 

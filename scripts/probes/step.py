@@ -162,8 +162,8 @@ def probe_step(recipe: Path = RECIPE) -> None:
 
 def probe_chunks() -> None:
     from ligertune import kernels
-    from ligertune.bench.problems import flce_problem
     from ligertune.bench.peers import find_peer
+    from ligertune.bench.problems import flce_problem
 
     liger = find_peer("liger").available
     for n, h, v in SHAPES:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+from tiny_recipe import TINY_MODEL, write_recipe
 
 from ligertune.bench.report import step_header
 from ligertune.bench.step import StepBenchConfig, run_step_bench
 from ligertune.recipe import load_recipe
-from tiny_recipe import TINY_MODEL, write_recipe
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
                                 reason="bitsandbytes is not installed (pip install 'ligertune[qlora]')")

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+from tiny_recipe import write_recipe
 from typer.testing import CliRunner
 
-from tiny_recipe import write_recipe
 from ligertune.cli.main import app
 from ligertune.recipe import bundled_recipes
 
@@ -161,10 +161,10 @@ def test_every_bundled_recipe_validates(name: str):
 
 def test_validate_refuses_what_train_would_refuse(tmp_path):
     """LoRA targets the model lacks, a model folder without weights, an output folder holding a run."""
+    from tiny_recipe import QUICKSTART, write_recipe
     from typer.testing import CliRunner
 
     from ligertune.cli.main import app
-    from tiny_recipe import QUICKSTART, write_recipe
 
     path = write_recipe(tmp_path)
     runner = CliRunner()

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 from rich.console import Console
+from tiny_recipe import write_recipe
 from typer.testing import CliRunner
 
 from ligertune.cli.main import app
 from ligertune.errors import UserError
 from ligertune.inference import Reply, locate_model, render_prompt
 from ligertune.recipe import load_recipe
-from tiny_recipe import write_recipe
 
 runner = CliRunner()
 

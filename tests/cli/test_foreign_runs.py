@@ -14,11 +14,11 @@ import torch
 import yaml
 from rich.console import Console
 from safetensors.torch import load_file
+from tiny_recipe import write_recipe
 from typer.testing import CliRunner
 
 from ligertune.cli.main import app
 from ligertune.recipe import load_recipe
-from tiny_recipe import write_recipe
 
 runner = CliRunner()
 

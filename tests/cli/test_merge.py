@@ -11,13 +11,13 @@ import pytest
 import torch
 from rich.console import Console
 from safetensors import safe_open
+from tiny_recipe import write_recipe
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
 from ligertune.cli.main import app
 from ligertune.numerics import relative_error
 from ligertune.recipe import load_recipe
-from tiny_recipe import write_recipe
 
 runner = CliRunner()
 
@@ -177,9 +177,10 @@ def test_merge_user_errors(lora_run: Path, tmp_path: Path):
 def test_a_qlora_run_merges_into_its_dequantized_base(tmp_path: Path, kind: str):
     """The adapters were trained over the dequantized weights D = dequant(Q(W)): each merged weight is
     D + s B A, in a plain model folder (no quantization config) that loads alone."""
+    from tiny_recipe import TINY_MODEL
+
     from ligertune.models.quantize import dequantize_weight, quantization_of
     from ligertune.training import train
-    from tiny_recipe import TINY_MODEL
 
     model = {"config": {**TINY_MODEL, "hidden_size": 64, "intermediate_size": 128}, "quantization": kind}
     recipe = write_recipe(tmp_path, n_train=16, model=model, lora=LORA, optim={"lr": 1e-2},

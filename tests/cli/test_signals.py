@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from tiny_recipe import ROOT
 
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"

@@ -9,10 +9,10 @@ import copy
 import peft
 import pytest
 import torch
+from test_gpu_models import SMALL_LLAMA, small_llama
 
 from ligertune.models.lora import patch_lora
 from ligertune.numerics import relative_error
-from test_gpu_models import SMALL_LLAMA, small_llama
 
 pytestmark = pytest.mark.gpu
 

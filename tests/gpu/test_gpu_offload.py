@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_gpu_models import SMALL_LLAMA
 
 from ligertune.models import build_model, decoder_of
 from ligertune.numerics import relative_error
 from ligertune.recipe import ModelConfig
 from ligertune.training.build import enable_gradient_checkpointing
 from ligertune.training.memory import InputOffload, set_checkpointed
-from test_gpu_models import SMALL_LLAMA
 
 pytestmark = pytest.mark.gpu
 

@@ -13,13 +13,13 @@ import torch
 from rich.console import Console
 from tiny_recipe import write_recipe
 
+from ligertune.metrics import read_metrics
 from ligertune.numerics import relative_error
 from ligertune.recipe import OptimConfig, load_recipe
+from ligertune.training import cleanup, setup, train_loop
 from ligertune.training.adamw import AdamW
 from ligertune.training.build import build_optimizer
-from ligertune.metrics import read_metrics
 from ligertune.training.lion import Lion
-from ligertune.training import cleanup, setup, train_loop
 
 pytestmark = pytest.mark.gpu
 

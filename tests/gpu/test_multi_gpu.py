@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_runs import assert_resume_continues_the_run, ligertune, train_records
+from tiny_recipe import TINY_MODEL, write_recipe
 
 from ligertune.flops import spec_peak_tflops
 from ligertune.verify import TOLERANCES
-from cli_runs import assert_resume_continues_the_run, ligertune, train_records
-from tiny_recipe import TINY_MODEL, write_recipe
 
 pytestmark = pytest.mark.gpu
 

@@ -13,10 +13,10 @@ import math
 
 import pytest
 import torch
+from kernel_testing import DEVICE, rel_err
 
 from ligertune.kernels import LossOptions, fused_linear_cross_entropy
 from ligertune.kernels.chunked_loss import _chunk_rows
-from kernel_testing import DEVICE, rel_err
 
 IGNORE = -100
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_testing import DEVICE, rel_err
 
 import ligertune.kernels as K
 from ligertune.training.lion import Lion
-from kernel_testing import DEVICE, rel_err
 
 # Tensors of one call. With lion.BLOCK = 4096: (3, 37, 123) is 13653 elements, 3 whole blocks and a
 # partial one; 4097 is a whole block and one element; (0,) is skipped; (1,) alone is one masked block.

@@ -7,14 +7,12 @@ TRITON_INTERPRET=0 the same tests run the compiled kernels on CUDA.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from kernel_testing import DEVICE, rel_err
 
 import ligertune.kernels as K
 from ligertune.kernels import reference
-from kernel_testing import DEVICE, rel_err
-
 
 SHAPES = [
     pytest.param((37, 123), id="R37-H123"),

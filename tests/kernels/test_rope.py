@@ -6,14 +6,12 @@ cos/sin come from `LlamaRotaryEmbedding` itself, for position ids that restart l
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from kernel_testing import DEVICE, rel_err
 
 import ligertune.kernels as K
 from ligertune.kernels import reference
-from kernel_testing import DEVICE, rel_err
-
 
 # (batch, q heads, kv heads, seq len, head dim)
 SHAPES = [

@@ -4,14 +4,12 @@ MLP of `transformers` (LlamaMLP) bit for bit.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from kernel_testing import DEVICE, rel_err
 
 import ligertune.kernels as K
 from ligertune.kernels import reference
-from kernel_testing import DEVICE, rel_err
-
 
 SHAPES = [
     pytest.param((37, 123), id="N37-I123"),

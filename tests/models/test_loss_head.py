@@ -6,6 +6,7 @@ import peft
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import make_model
 
 import ligertune.models.head as head_module
 from ligertune import kernels
@@ -13,7 +14,6 @@ from ligertune.kernels import LossOptions
 from ligertune.models import CausalLMLoss, causal_lm_loss_from_logits, packed_attention_kwargs
 from ligertune.recipe import KernelsConfig, LossConfig
 from ligertune.training.build import build_head
-from tiny_models import make_model
 
 
 def _lora(model, target_modules="all-linear"):

@@ -5,16 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import FAMILIES, VOCAB, make_model, make_packed_batch
 
 from ligertune.models import attention, packed_attention_forward, packed_attention_kwargs
 from ligertune.models.attention import (
     _causal_rows as causal_rows,
+)
+from ligertune.models.attention import (
     _varlen_applies,
     block_causal_mask,
     equal_segments,
     segment_ids_from_position_ids,
 )
-from tiny_models import FAMILIES, VOCAB, make_model, make_packed_batch
 
 FAMILY_IDS = list(FAMILIES)
 

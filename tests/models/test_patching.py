@@ -17,6 +17,7 @@ import peft
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import FAMILIES, SWIGLU_FAMILIES, make_model
 
 from ligertune import kernels
 from ligertune.models import (
@@ -28,7 +29,6 @@ from ligertune.models import (
     unpatch_model,
 )
 from ligertune.models.patching import _RopeRedirect
-from tiny_models import FAMILIES, SWIGLU_FAMILIES, make_model
 
 REPO = Path(__file__).resolve().parents[2]
 

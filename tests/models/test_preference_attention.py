@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import VOCAB, make_model
 
 from ligertune.data import IGNORE_INDEX, KTOExample, PreferenceExample, collate_preferences
 from ligertune.data.preference import make_preference_pack
 from ligertune.models import CausalLMLoss
 from ligertune.models.attention import end_aligned_causal_mask, preference_attention_kwargs
-from tiny_models import VOCAB, make_model
 
 TOL = dict(rtol=0.0, atol=1e-10)
 

@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from tiny_recipe import QUICKSTART, TINY_MODEL
+
 from ligertune.errors import UserError
 from ligertune.models import load_tokenizer
 from ligertune.recipe import recipe_from_dict

@@ -14,15 +14,14 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from rich.console import Console
+from tiny_recipe import write_recipe
 
 from ligertune.errors import UserError
 from ligertune.metrics import read_metrics
 from ligertune.recipe import load_recipe
 from ligertune.training import cleanup, setup, train_loop
 from ligertune.training.checkpoint import find_checkpoint, latest_checkpoint, load_trainer_state
-from tiny_recipe import write_recipe
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "LIGERTUNE_DEBUG": ""}
 

@@ -10,10 +10,10 @@ import torch
 from rich.console import Console
 from tiny_recipe import write_recipe
 
-from ligertune.recipe import load_recipe
 from ligertune.metrics import read_metrics
-from ligertune.training.clipping import clip_gradients
+from ligertune.recipe import load_recipe
 from ligertune.training import cleanup, setup, train_loop
+from ligertune.training.clipping import clip_gradients
 
 # Gradients chosen so that the norms are exact: ||(3, 4)|| = 5, ||(1, 2, 2)|| = 3, ||(0.6, 0.8)|| = 1,
 # and over all of them sqrt(25 + 9 + 1) = sqrt(35).

@@ -10,18 +10,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from distributed_lora_dtypes import one_step
+from distributed_step import MODES, step_gradients
 from rich.console import Console
+from tiny_recipe import TINY_MODEL, write_recipe
 from transformers import AutoModelForCausalLM
 
 from ligertune.distributed import split_packs
+from ligertune.metrics import read_metrics
 from ligertune.numerics import relative_error
 from ligertune.recipe import load_recipe
-from ligertune.training.build import FsdpDtypes, fsdp_dtypes
-from ligertune.metrics import read_metrics
 from ligertune.training import cleanup, setup, train_loop
-from distributed_lora_dtypes import one_step
-from distributed_step import MODES, step_gradients
-from tiny_recipe import TINY_MODEL, write_recipe
+from ligertune.training.build import FsdpDtypes, fsdp_dtypes
 
 HERE = Path(__file__).resolve().parent
 # Every option of the loss on, so that each term goes through the ranks.

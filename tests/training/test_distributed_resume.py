@@ -7,9 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
-
 from cli_runs import assert_resume_continues_the_run
+from safetensors.torch import load_file
 from tiny_recipe import write_recipe
 
 

@@ -9,13 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 from rich.console import Console
+from tiny_recipe import TINY_MODEL, write_recipe
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import ligertune.training.build as trainer_module
+from ligertune.metrics import read_metrics
 from ligertune.models import decoder_of
 from ligertune.recipe import load_recipe
+from ligertune.training import cleanup, setup, train_loop
 from ligertune.training.build import enable_gradient_checkpointing
-from ligertune.metrics import read_metrics
 from ligertune.training.memory import (
     GIB,
     CheckpointPlanner,
@@ -24,8 +26,6 @@ from ligertune.training.memory import (
     plan_checkpointing,
     set_checkpointed,
 )
-from ligertune.training import cleanup, setup, train_loop
-from tiny_recipe import TINY_MODEL, write_recipe
 
 
 @pytest.mark.parametrize("budget, want", [

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from rich.console import Console
+from tiny_recipe import TINY_MODEL, write_recipe
 from torch import nn
 from typer.testing import CliRunner
 
@@ -20,9 +21,8 @@ from ligertune.cli.main import app
 from ligertune.models import build_model, is_patched, output_head_of, unwrap_model
 from ligertune.models.quantize import dequantize_weight, layer_quantization, quantization_of
 from ligertune.recipe import load_recipe
-from ligertune.training.checkpoint import latest_checkpoint
 from ligertune.training import RunInterrupted, cleanup, setup, train_loop
-from tiny_recipe import TINY_MODEL, write_recipe
+from ligertune.training.checkpoint import latest_checkpoint
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
                                 reason="bitsandbytes is not installed (pip install 'ligertune[qlora]')")

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 from rich.console import Console
+from tiny_recipe import write_recipe
 
 from ligertune.errors import EnvironmentFault, UserError
-from ligertune.recipe import load_recipe
-from ligertune.training import checkpoint as checkpoint_module
 from ligertune.metrics import read_metrics
-from ligertune.training.checkpoint import latest_checkpoint, load_trainer_state
+from ligertune.recipe import load_recipe
 from ligertune.training import RunInterrupted, TrainingDiverged, cleanup, setup, train_loop
-from tiny_recipe import write_recipe
+from ligertune.training import checkpoint as checkpoint_module
+from ligertune.training.checkpoint import latest_checkpoint, load_trainer_state
 
 TIMINGS = ("tokens_per_s", "trained_tokens_per_s", "eval_s", "save_s", "peak_mem_gib")
 # 16 packs of the tiny data, 4 packs a step: an epoch is 4 steps, so step 5 is inside the second.

@@ -11,7 +11,7 @@ import torch
 from ligertune.errors import RecipeError
 from ligertune.recipe import recipe_from_dict
 from ligertune.training.build import build_scheduler, schedule_warnings
-from ligertune.training.optim import lr_multiplier, warmup_length
+from ligertune.training.optim import warmup_length
 
 
 def optim(**values):

@@ -18,11 +18,11 @@ from rich.console import Console
 from tiny_recipe import write_recipe
 
 from ligertune.errors import UserError
-from ligertune.recipe import load_recipe
 from ligertune.metrics import read_metrics
+from ligertune.recipe import load_recipe
+from ligertune.training import RunInterrupted, cleanup, setup, train_loop
 from ligertune.training.display import format_metrics
 from ligertune.training.spikes import MAD_TO_STD, find_spike, remember
-from ligertune.training import RunInterrupted, cleanup, setup, train_loop
 
 HERE = Path(__file__).resolve().parent
 

@@ -10,11 +10,11 @@ from rich.console import Console
 from tiny_recipe import write_recipe
 
 import ligertune.training.trainer as trainer_module
-from ligertune.recipe import load_recipe
-from ligertune.metrics import read_metrics
 from ligertune.flops import StepFlops
-from ligertune.training.throughput import Rates, Throughput
+from ligertune.metrics import read_metrics
+from ligertune.recipe import load_recipe
 from ligertune.training import cleanup, evaluate, setup, train_loop
+from ligertune.training.throughput import Rates, Throughput
 
 
 class FakeClock:

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 from rich.console import Console
+from tiny_recipe import write_recipe
 from transformers import AutoModelForCausalLM
 
 from ligertune.recipe import load_recipe
 from ligertune.training import cleanup, setup, train_loop
-from tiny_recipe import write_recipe
 
 
 def run(recipe_path: Path, *overrides: str):

@@ -170,6 +170,14 @@ class PreferenceBatch:
     answer_chosen: torch.Tensor
     answer_tokens: torch.Tensor
     kto: bool
+    reference_logps: torch.Tensor | None = None
+    """[A] float32: the reference model's sum of log p of each answer (`PreferencePack.reference_logps`
+    of every pack, laid end to end), or None when a pack has none (reference-free losses)."""
+
+    @property
+    def answer_pair(self) -> torch.Tensor:
+        """The unit of each answer, the name `objectives.preference.PreferenceBatch` reads."""
+        return self.answer_unit
 
     @property
     def num_tokens(self) -> int:
@@ -238,6 +246,15 @@ def collate_preferences(packs: Sequence[PreferencePack]) -> PreferenceBatch:
         return torch.tensor(values, dtype=dtype)
 
     score_answers = ints(answers)
+    with_reference = [p.reference_logps is not None for p in packs]
+    if any(with_reference) and not all(with_reference):
+        raise ValueError("some packs carry reference log-probabilities and some do not")
+    reference = None
+    if all(with_reference):
+        reference = torch.tensor([x for p in packs for x in p.reference_logps], dtype=torch.float32)
+        if reference.numel() != len(answer_unit):
+            raise ValueError(f"the packs carry {reference.numel()} reference log-probabilities for "
+                             f"{len(answer_unit)} answers")
     return PreferenceBatch(
         input_ids=ints([input_ids]),
         position_ids=ints([position_ids]),
@@ -253,6 +270,7 @@ def collate_preferences(packs: Sequence[PreferencePack]) -> PreferenceBatch:
         answer_chosen=torch.tensor(answer_chosen, dtype=torch.bool),
         answer_tokens=torch.bincount(score_answers, minlength=len(answer_unit)),
         kto=kto,
+        reference_logps=reference,
     )
 
 

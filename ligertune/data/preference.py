@@ -617,6 +617,9 @@ class PreferencePack:
     desirable: list[bool] | None = None
     example_indices: list[int] = field(default_factory=list)  # which units, in order
     sources: list[int] = field(default_factory=list)  # the source of each unit
+    reference_logps: list[float] | None = None
+    """The reference model's sum of log p of each answer, in answer order (None until computed,
+    and for the reference-free losses): `training.reference` fills it before the first step."""
 
     def __len__(self) -> int:
         return len(self.input_ids)

@@ -13,6 +13,7 @@ gathered there, by the hooks of the module that owns it.
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -27,6 +28,9 @@ from ligertune.models.attention import (
     preference_attention_kwargs,
 )
 from ligertune.models.unwrap import decoder_of, output_head_of, plain_projection, unwrap_model
+
+if TYPE_CHECKING:
+    from ligertune.objectives.preference import AnswerLogps
 
 
 def causal_lm_loss_from_logits(
@@ -109,13 +113,20 @@ class CausalLMLoss(nn.Module):
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None,
-        targets: torch.Tensor,
+        targets: torch.Tensor | None = None,
         token_weights: torch.Tensor | None = None,
         *,
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
         attention_mask: torch.Tensor | None = None,
-    ) -> LossOutput:
+        cu_seqlens_k: torch.Tensor | None = None,
+        max_seqlen_k: int | None = None,
+        key_index: torch.Tensor | None = None,
+        score_rows: torch.Tensor | None = None,
+        score_targets: torch.Tensor | None = None,
+        score_answers: torch.Tensor | None = None,
+        num_answers: int | None = None,
+    ) -> LossOutput | AnswerLogps:
         """Loss of `targets` [B, L] (already shifted: targets[t] is the token after input_ids[t];
         `options.ignore_index` where there is no loss) given `input_ids` [B, L].
 
@@ -123,7 +134,24 @@ class CausalLMLoss(nn.Module):
         `max_seqlen` keep the conversations of a pack apart under packed attention; `attention_mask`
         is the padding mask of an unpacked, padded batch. `token_weights` [B, L] as in
         `fused_linear_cross_entropy`, reduced by `options.reduction`.
+
+        With `score_rows` (and `score_targets`, `score_answers`, `num_answers`) instead of `targets`,
+        the forward scores answers (`answer_logps`, preference training): each answer's sum of log p
+        over its scored (row, target, answer) triples, as `AnswerLogps`; `cu_seqlens_k`,
+        `max_seqlen_k` and `key_index` as in `hidden_states`. It runs here, in the module's forward,
+        so that a sharded output projection is gathered by the hooks of FSDP2 as for the SFT loss.
         """
+        if score_rows is not None:
+            if targets is not None or token_weights is not None:
+                raise ValueError("score answers (score_rows ...) or a loss of targets, not both")
+            return self.answer_logps(input_ids, position_ids, score_rows, score_targets, score_answers,
+                                     num_answers, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                                     cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k,
+                                     key_index=key_index, attention_mask=attention_mask)
+        if targets is None:
+            raise ValueError("the loss needs targets (or score_rows to score answers)")
+        if key_index is not None or cu_seqlens_k is not None:
+            raise ValueError("separate key ranges (key_index, cu_seqlens_k) are for scoring answers")
         decoder = decoder_of(self.model)
         extra = {}
         if cu_seqlens is not None:
@@ -197,6 +225,46 @@ class CausalLMLoss(nn.Module):
         )
         hidden = out.last_hidden_state
         return hidden.reshape(-1, hidden.shape[-1])
+
+    def answer_logps(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        score_rows: torch.Tensor,
+        score_targets: torch.Tensor,
+        score_answers: torch.Tensor,
+        num_answers: int,
+        **attention,
+    ) -> AnswerLogps:
+        """Every answer's sum of log p over its scored triples (`objectives.preference.answer_logps`),
+        from the decoder's hidden states of `input_ids` under `attention` (`hidden_states`' keywords).
+
+        Call it through the module (`engine(ids, positions, score_rows=..., ...)`, which lands here
+        from `forward`) where the model is sharded. Fused: the scored rows go through the fused
+        linear cross-entropy with the head's options (softcap, chunk budget); otherwise (a LoRA-adapted
+        `lm_head`, `fused=False`) the output layer's logits of the scored rows only, [S, V], and the
+        same per-row formula without smoothing or z-loss.
+        """
+        from ligertune.objectives.preference import AnswerLogps, answer_logps
+
+        hidden = self.hidden_states(input_ids, position_ids, **attention)
+        projection = self.output_projection() if self.fused else None
+        if projection is not None:
+            weight, bias = projection
+            return answer_logps(hidden, weight, score_rows, score_targets, score_answers, num_answers,
+                                bias=bias, options=self.options)
+        device = hidden.device
+        rows, targets, answers = (t.to(device=device, dtype=torch.long)
+                                  for t in (score_rows, score_targets, score_answers))
+        n_tokens = torch.bincount(answers, minlength=num_answers)
+        logits = self.output_layer(hidden.index_select(0, rows)).float()
+        if self.options.softcap is not None:
+            logits = self.options.softcap * torch.tanh(logits / self.options.softcap)
+        logp = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]
+        logp_sum = torch.zeros(num_answers, dtype=torch.float32, device=device).index_add(0, answers, logp)
+        if rows.numel() == 0:
+            logp_sum = logp_sum + hidden.sum().float() * 0.0
+        return AnswerLogps(logp_sum, n_tokens)
 
     def output_projection(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The output layer as `(weight [V, H], bias [V] or None)`, or None when it is not one weight

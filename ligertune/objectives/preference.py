@@ -356,7 +356,8 @@ class PreferenceBatch(Protocol):
     input_ids, position_ids: [1, L] the packs laid end to end (positions of both answers continue
         from their prompt).
     attention: the decoder's keyword arguments that keep units and answers apart (varlen query and
-        key ranges, or a [L, L] block mask on the CPU); handed to the engine unread.
+        key ranges, or a [L, L] block mask on the CPU), or a method that returns them
+        (`data.PreferenceBatch.attention()`); handed to the engine unread.
     score_rows, score_targets, score_answers: [S] int64, the scored (row, target, answer) triples,
         rows into the flattened L tokens, answers numbered 0 .. A-1 through the micro-batch.
     answer_pair: [A] int64, the pair (KTO: example) each answer belongs to, 0 .. P-1 in the micro-batch.
@@ -422,8 +423,11 @@ class Preference:
 
     def forward(self, engine: AnswerScorer, batch: PreferenceBatch, weights: torch.Tensor) -> MicroBatchLoss:
         n_answers = int(batch.answer_pair.numel())
-        logps = engine(batch.input_ids, batch.position_ids, batch.score_rows, batch.score_targets,
-                       batch.score_answers, n_answers, **batch.attention)
+        attention = batch.attention() if callable(batch.attention) else batch.attention
+        # Keywords: `CausalLMLoss.forward` scores answers when given `score_rows`, in its own forward.
+        logps = engine(batch.input_ids, batch.position_ids, score_rows=batch.score_rows,
+                       score_targets=batch.score_targets, score_answers=batch.score_answers,
+                       num_answers=n_answers, **attention)
         return self.loss(logps, batch, weights)
 
     def loss(self, logps: AnswerLogps, batch: PreferenceBatch, weights: torch.Tensor) -> MicroBatchLoss:

@@ -112,6 +112,9 @@ class LossAndGrads:
 def verify_loss(recipe: Recipe, *, samples: int = 8, modes: Sequence[str] = ("token", "sequence")) -> Report:
     """Run every case of the module docstring for each mode; see `Report.passed`."""
     build_objective(recipe)  # an objective the trainer cannot run yet is refused before anything loads
+    if recipe.objective.preference:
+        raise UserError(f"objective.name: verify-loss checks the supervised cross-entropy; it does not run "
+                        f"{recipe.objective.name} yet")
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise UserError(f"--modes: unknown mode {unknown[0]!r} (expected {', '.join(MODES)})")

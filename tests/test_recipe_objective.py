@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from ligertune.cli.main import app
 from ligertune.errors import RecipeError, UserError
-from ligertune.objectives import SFT, build_objective
+from ligertune.objectives import SFT, Preference, build_objective
 from ligertune.recipe import ObjectiveConfig, Recipe, check_objective_data, load_recipe, recipe_from_dict
 from ligertune.training.resume import check_resumable
 
@@ -277,25 +277,39 @@ def test_a_changed_objective_setting_stops_a_resume(tmp_path: Path):
 
 
 # --------------------------------------------------------------------------------------------------
-# The trainer's one refusal
+# What the trainer builds, and what it refuses
 
 
-@pytest.mark.parametrize("name", ["dpo", "ipo", "simpo", "orpo", "kto"])
-def test_build_objective_refuses_a_preference_objective_in_one_line(name):
-    recipe = recipe_with({"name": name}, PAIRED)
+@pytest.mark.parametrize("name", ["dpo", "ipo", "simpo", "orpo"])
+def test_build_objective_maps_the_section_onto_the_preference_objective(name):
+    section = {"name": name, **{"dpo": {"beta": 0.3, "label_smoothing": 0.1}, "ipo": {"beta": 0.2},
+                                "simpo": {"beta": 2.5, "gamma": 0.7}, "orpo": {"orpo_lambda": 0.4}}[name]}
+    objective = build_objective(recipe_with(section, PAIRED))
+    assert isinstance(objective, Preference)
+    cfg = objective.cfg
+    assert cfg.loss == name
+    for key, value in section.items():
+        if key != "name":
+            assert getattr(cfg, key) == value, key
+
+
+def test_build_objective_refuses_kto_in_one_line():
     with pytest.raises(UserError) as info:
-        build_objective(recipe)
-    assert str(info.value) == f"objective.name: preference training ({name}) is not wired into the trainer yet"
+        build_objective(recipe_with({"name": "kto"}, PAIRED))
+    assert str(info.value).startswith("objective.name: kto is not wired into the trainer yet")
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("command", ["validate", "train", "verify-loss"])
-def test_commands_refuse_a_preference_objective_before_reading_data(tmp_path: Path, command: str):
-    """The recipe is valid (its data file holds chat records, never read): the refusal comes first."""
+def test_commands_refuse_chat_data_for_a_preference_objective(tmp_path: Path, command: str):
+    """The recipe is valid (its data file holds chat records): reading them as pairs fails in one line
+    that names the file and line, before a run folder is written."""
     path = write_recipe(tmp_path, n_train=4, n_eval=2)
     overrides = ["--set", "objective.name=dpo", "--set", "data.format=paired"]
     load_recipe(path, overrides[1::2])  # the recipe itself is valid
     result = CliRunner().invoke(app, [command, str(path), *overrides])
     assert result.exit_code == 2, result.output
-    assert "objective.name: preference training (dpo) is not wired into the trainer yet" in result.stderr
+    expected = "verify-loss checks the supervised cross-entropy" if command == "verify-loss" else "train.jsonl:1:"
+    assert expected in result.stderr, result.stderr
     assert "Traceback" not in result.output + result.stderr
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence, Union
+from typing import Any, Callable, Iterable, Sequence, Union
 
 import torch
 
@@ -551,12 +551,18 @@ def tokenize_preferences(
 
 
 def load_preferences(path: str, tokenizer: Any, *, max_seq_len: int, fmt: str = "auto", split: str = "train",
-                     on_bad_record: str = "error", source: int = 0) -> PreparedPreferences:
+                     on_bad_record: str = "error", source: int = 0,
+                     check_format: Callable[[str], None] | None = None) -> PreparedPreferences:
     """Read one source and tokenize it: `read_preferences` then `tokenize_preferences`.
 
+    `check_format(fmt)`, when given, sees the source's format (detected from its first record under
+    `fmt="auto"`) once it is read, before any record is tokenized: the trainer refuses there a format
+    its objective cannot read (`recipe.check_objective_data`).
     A source that gives no unit at all raises `DataError` naming it and what became of its records.
     """
     read = read_preferences(path, fmt=fmt, split=split, on_bad_record=on_bad_record)
+    if check_format is not None and read.format is not None:
+        check_format(read.format)
     stats = PreferenceStats(records=read.read, bad_records=len(read.bad),
                             bad_record_examples=read.bad[:BAD_RECORD_EXAMPLES])
     prepared = tokenize_preferences(read.records, tokenizer, max_seq_len=max_seq_len,

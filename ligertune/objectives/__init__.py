@@ -2,18 +2,37 @@
 
 from ligertune.errors import UserError
 from ligertune.objectives.base import MicroBatchLoss, Objective
+from ligertune.objectives.preference import Preference, PreferenceConfig
 from ligertune.objectives.sft import SFT
 
-__all__ = ["SFT", "MicroBatchLoss", "Objective", "build_objective"]
+__all__ = ["SFT", "MicroBatchLoss", "Objective", "Preference", "build_objective"]
 
 
 def build_objective(recipe) -> Objective:
-    """The recipe's objective: supervised fine-tuning on its `loss` section for `objective.name: sft`.
+    """The recipe's objective: supervised fine-tuning on its `loss` section for `objective.name: sft`;
+    a `Preference` objective (DPO, IPO, SimPO, ORPO) on the `objective` section otherwise.
 
-    The one place that refuses an objective the trainer does not run yet (the preference objectives,
-    whose recipe section is complete): `train`, `validate` and `verify-loss` call it before reading
-    any data, so the refusal is their first line."""
-    name = recipe.objective.name
-    if name != "sft":
-        raise UserError(f"objective.name: preference training ({name}) is not wired into the trainer yet")
-    return SFT(recipe.loss)
+    The one place that refuses what the trainer does not run yet: `train`, `validate` and
+    `verify-loss` call it before reading any data, so the refusal is their first line. Refused: KTO
+    (the step's KL estimate z0 is not computed yet), preference training without packed attention
+    (each answer attends to its prompt through its own key range) and over several processes."""
+    cfg = recipe.objective
+    if cfg.name == "sft":
+        return SFT(recipe.loss)
+    if cfg.name == "kto":
+        raise UserError("objective.name: kto is not wired into the trainer yet (its KL estimate z0); "
+                        "use dpo, ipo, simpo or orpo")
+    if recipe.model.attention != "packed":
+        raise UserError(f"model.attention: preference training ({cfg.name}) needs `packed` attention (each "
+                        f"answer attends to its prompt through its own key range); got {recipe.model.attention}")
+    from ligertune.distributed import topology_from_environment
+
+    if topology_from_environment().distributed:
+        raise UserError(f"objective.name: preference training ({cfg.name}) runs on one process for now; "
+                        "run without --nproc/torchrun")
+    return Preference(PreferenceConfig(
+        loss=cfg.name, beta=cfg.beta if cfg.beta is not None else 0.1, label_smoothing=cfg.label_smoothing,
+        gamma=cfg.gamma if cfg.gamma is not None else 1.0,
+        orpo_lambda=cfg.orpo_lambda if cfg.orpo_lambda is not None else 0.1,
+        desirable_weight=cfg.desirable_weight, undesirable_weight=cfg.undesirable_weight,
+    ))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,8 @@ from torch import nn
 
 from ligertune import models
 from ligertune.data import Pack, PreparedData, TokenizedExample, pack, prepare_data
+from ligertune.data.prepare import hold_out
+from ligertune.data.preference import PreferenceStats, PreparedPreferences, load_preferences, pack_preferences
 from ligertune.devices import resolve_device, resolve_dtype
 from ligertune.distributed import Topology
 from ligertune.errors import UserError
@@ -43,6 +46,7 @@ from ligertune.recipe import (
     OptimConfig,
     Recipe,
     TrainConfig,
+    check_objective_data,
 )
 from ligertune.training import precision
 from ligertune.training.adamw import AdamW
@@ -99,6 +103,8 @@ def build_data(recipe: Recipe, tokenizer, *, show_progress: bool = True) -> Trai
 
     build_objective(recipe)  # an objective the trainer cannot run yet is refused before any data is read
     check_max_seq_len(recipe, vocab_size=len(tokenizer))
+    if recipe.objective.preference:
+        return build_preference_data(recipe, tokenizer)
     prepared = prepare_data(recipe.data, tokenizer, seed=recipe.train.seed, show_progress=show_progress)
     if not prepared.train:
         raise UserError("data: no trainable conversation left after masking and truncation")
@@ -111,6 +117,75 @@ def build_data(recipe: Recipe, tokenizer, *, show_progress: bool = True) -> Trai
         eval_packs=build_packs(recipe.data, eval_examples),
         warnings=data_warnings(recipe, prepared),
     )
+
+
+def build_preference_data(recipe: Recipe, tokenizer) -> TrainingData:
+    """Read, tokenize and pack the recipe's preference data (`ligertune.data.preference`): units
+    (prompt + chosen + rejected) packed whole into `data.max_seq_len`; the held-out units from
+    `data.eval_path`, or `data.eval_fraction` of the units (drawn as supervised fine-tuning draws its
+    held-out conversations). Each source's format is checked against the objective as soon as it is
+    read. `TrainingData` keeps its shape: `prepared.train`/`.eval` are the units, its `stats` the
+    training source's `PreferenceStats`, the packs `PreferencePack`s."""
+    cfg = recipe.data
+    if cfg.sources:
+        raise UserError("data.sources: preference training reads one source for now; give data.path "
+                        "(and data.eval_path)")
+    if cfg.path is None:
+        raise UserError("data.path: give the preference data to train on")
+
+    def load(path: str, where: str) -> PreparedPreferences:
+        return load_preferences(path, tokenizer, max_seq_len=cfg.max_seq_len, fmt=cfg.format, split=cfg.split,
+                                on_bad_record=cfg.on_bad_record,
+                                check_format=lambda fmt: check_objective_data(recipe.objective, fmt, where=where))
+
+    train = load(cfg.path, cfg.path)
+    units, eval_units = train.units, []
+    eval_stats = None
+    if cfg.eval_path is not None:
+        held = load(cfg.eval_path, cfg.eval_path)
+        eval_units, eval_stats = held.units, held.stats
+    else:
+        units, eval_units = hold_out(units, cfg.eval_fraction, random.Random(f"ligertune-data:{recipe.train.seed}:eval:0"))
+    cap = recipe.train.eval_max_conversations
+    eval_units = eval_units[:cap] if cap else eval_units
+    prepared = PreparedData(units, eval_units, train.stats)
+    return TrainingData(
+        prepared=prepared,
+        eval_examples=eval_units,
+        train_packs=pack_preferences(units, cfg.max_seq_len, packing=cfg.packing),
+        eval_packs=pack_preferences(eval_units, cfg.max_seq_len, packing=cfg.packing) if eval_units else [],
+        warnings=preference_warnings(recipe, train.stats, eval_stats, held_out=bool(eval_units)),
+    )
+
+
+def preference_warnings(recipe: Recipe, stats: PreferenceStats, eval_stats: PreferenceStats | None, *,
+                        held_out: bool) -> list[str]:
+    """`key: message` for the preference records a run left out (as `data_warnings` for conversations):
+    malformed records skipped, units longer than `data.max_seq_len` or with an answer of no scored
+    token dropped, and evaluation asked for with no held-out unit."""
+    cfg = recipe.data
+    found = []
+    for where, st in ((cfg.path, stats), (cfg.eval_path, eval_stats)):
+        if st is None:
+            continue
+        if st.bad_records:
+            first = f"; the first: {st.bad_record_examples[0]}" if st.bad_record_examples else ""
+            found.append(f"data.on_bad_record: skipped {_count(st.bad_records, 'malformed record')} of {where}{first}")
+        too_long = st.dropped.get("too_long", 0)
+        if too_long:
+            found.append(f"data.max_seq_len: dropped {_count(too_long, 'preference record')} of {where} longer "
+                         f"than {cfg.max_seq_len} tokens (prompt and answers together)")
+        unscored = sum(n for reason, n in st.dropped.items() if reason != "too_long")
+        if unscored:
+            found.append(f"data: dropped {_count(unscored, 'preference record')} of {where} with an answer "
+                         "of no scored token")
+    if not held_out and cfg.eval_fraction > 0:
+        found.append(f"data.eval_fraction: {cfg.eval_fraction:g} held out no preference record (at least 2 "
+                     "are needed to give one): no evaluation will run")
+    elif not held_out and recipe.train.eval_every is not None:
+        found.append("train.eval_every: there is no held-out data (data.eval_path or data.eval_fraction): "
+                     "no evaluation will run")
+    return found
 
 
 def data_warnings(recipe: Recipe, prepared: PreparedData) -> list[str]:

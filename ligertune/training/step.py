@@ -17,7 +17,8 @@ import math
 
 import torch
 
-from ligertune.data import Batch, Pack, PaddedBatch, collate, collate_padded
+from ligertune.data import Batch, Pack, PaddedBatch, PreferenceBatch, collate, collate_padded, collate_preferences
+from ligertune.data.preference import PreferencePack
 from ligertune.distributed import accumulating, all_reduce_sum, split_packs
 from ligertune.training.build import packs_per_step
 from ligertune.training.clipping import clip_gradients
@@ -69,7 +70,10 @@ def rank_batches(run: Run, packs: list[Pack]) -> list[Batch | PaddedBatch]:
 
 def make_batch(run: Run, packs: list[Pack]) -> Batch | PaddedBatch:
     """One micro-batch on the device: a flattened row for packed attention, else padded rows
-    (one conversation each: the recipe check refuses packing without packed attention)."""
+    (one conversation each: the recipe check refuses packing without packed attention). Preference
+    packs are one flattened row with each answer's own key range (`collate_preferences`)."""
+    if packs and isinstance(packs[0], PreferencePack):
+        return collate_preferences(packs).to(run.device)
     if run.recipe.model.attention == "packed":
         return collate(packs).to(run.device)
     return collate_padded(packs, pad_token_id(run.tokenizer)).to(run.device)
@@ -81,7 +85,7 @@ def pad_token_id(tokenizer) -> int:
 
 def real_tokens(batch: Batch | PaddedBatch) -> int | torch.Tensor:
     """Tokens that are not padding (a device tensor for a padded batch: counted without a sync)."""
-    if isinstance(batch, Batch):
+    if isinstance(batch, (Batch, PreferenceBatch)):
         return batch.num_tokens
     return batch.attention_mask.sum()
 
@@ -92,6 +96,10 @@ def squared_lengths(batch: Batch | PaddedBatch) -> int | torch.Tensor:
     if isinstance(batch, Batch):
         lengths = batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]  # on the host
         return int(lengths.long().square().sum())
+    if isinstance(batch, PreferenceBatch):  # each segment's queries times its keys, on the host
+        queries = batch.cu_seqlens_q[1:] - batch.cu_seqlens_q[:-1]
+        keys = batch.cu_seqlens_k[1:] - batch.cu_seqlens_k[:-1]
+        return int((queries.long() * keys.long()).sum())
     return batch.attention_mask.sum(dim=1).square().sum()
 
 

@@ -28,8 +28,8 @@ from torch import nn
 
 from ligertune import models
 from ligertune.data import Pack, PreparedData, TokenizedExample, pack, prepare_data
-from ligertune.data.prepare import hold_out
 from ligertune.data.preference import PreferenceStats, PreparedPreferences, load_preferences, pack_preferences
+from ligertune.data.prepare import hold_out
 from ligertune.devices import resolve_device, resolve_dtype
 from ligertune.distributed import Topology
 from ligertune.errors import UserError

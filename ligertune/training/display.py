@@ -17,7 +17,11 @@ from rich.text import Text
 
 
 def format_metrics(record: dict) -> str:
-    parts = [f"loss {record['loss']:.4f}", f"acc {record['token_accuracy']:.1%}"]
+    parts = [f"loss {record['loss']:.4f}"]
+    if "token_accuracy" in record:
+        parts.append(f"acc {record['token_accuracy']:.1%}")
+    if "reward_accuracy" in record:  # preference objectives: how often the chosen answer wins
+        parts.append(f"pairs won {record['reward_accuracy']:.1%}  margin {record['reward_margin']:.3f}")
     if record.get("z_loss"):
         parts.append(f"z {record['z_loss']:.2e}")
     if "eval_loss" in record:
@@ -52,7 +56,7 @@ class TrainProgress:
         self._metrics = Text("", style="cyan")
         self._live = Live(Group(self._progress, self._metrics), console=console, refresh_per_second=4)
 
-    def __enter__(self) -> "TrainProgress":
+    def __enter__(self) -> TrainProgress:
         self._live.start()
         return self
 

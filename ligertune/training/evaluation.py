@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ligertune.data import IGNORE_INDEX, Pack
+from ligertune.data.preference import PreferenceUnit
 from ligertune.distributed import Topology, all_reduce_sum, split_packs
 from ligertune.training.run import Run
 from ligertune.training.step import forward_backward, make_batch, pad_token_id
@@ -42,25 +43,32 @@ def without_targets(pack: Pack) -> Pack:
 
 @torch.no_grad()
 def greedy_sample(run: Run, tail_chars: int = 300) -> tuple[str, str, str]:
-    """The first held-out conversation's last trained turn, answered greedily by the model.
+    """The first held-out conversation's last trained turn, answered greedily by the model; for
+    preference data, the first held-out prompt, with its chosen answer as the reference.
 
     Returns (the end of the rendered conversation before that turn, the reference turn, the answer).
     """
     example = run.data.eval_examples[0]
-    labels = example.labels
-    end = max(i for i, label in enumerate(labels) if label != IGNORE_INDEX) + 1
-    start = end - 1
-    while start > 0 and labels[start - 1] != IGNORE_INDEX:
-        start -= 1
-    prompt_ids = example.input_ids[:start]
-    reference = run.tokenizer.decode(example.input_ids[start:end], skip_special_tokens=True)
+    if isinstance(example, PreferenceUnit):
+        prompt_ids = example.input_ids[:example.prompt_len]
+        first, last = example.answer_spans[0]
+        reference_ids = example.input_ids[first:last]
+    else:
+        labels = example.labels
+        end = max(i for i, label in enumerate(labels) if label != IGNORE_INDEX) + 1
+        start = end - 1
+        while start > 0 and labels[start - 1] != IGNORE_INDEX:
+            start -= 1
+        prompt_ids = example.input_ids[:start]
+        reference_ids = example.input_ids[start:end]
+    reference = run.tokenizer.decode(reference_ids, skip_special_tokens=True)
     model = run.head.model
     model.eval()
     input_ids = torch.tensor([prompt_ids], device=run.device)
     output = model.generate(
         input_ids=input_ids,
         attention_mask=torch.ones_like(input_ids),
-        max_new_tokens=end - start + 16,
+        max_new_tokens=len(reference_ids) + 16,
         do_sample=False,
         eos_token_id=run.tokenizer.eos_token_id,
         pad_token_id=pad_token_id(run.tokenizer),

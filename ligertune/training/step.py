@@ -17,7 +17,15 @@ import math
 
 import torch
 
-from ligertune.data import Batch, Pack, PaddedBatch, PreferenceBatch, collate, collate_padded, collate_preferences
+from ligertune.data import (
+    Batch,
+    Pack,
+    PaddedBatch,
+    PreferenceBatch,
+    collate,
+    collate_padded,
+    collate_preferences,
+)
 from ligertune.data.preference import PreferencePack
 from ligertune.distributed import accumulating, all_reduce_sum, split_packs
 from ligertune.training.build import packs_per_step

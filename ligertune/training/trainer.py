@@ -43,6 +43,12 @@ from ligertune.flops import device_peak_tflops
 from ligertune.kernels import active_path
 from ligertune.models import decoder_of, load_tokenizer
 from ligertune.models.quantize import parameter_count
+from ligertune.objectives.reference import (
+    REFERENCE_FILE,
+    compute_reference_logps,
+    load_reference_logps,
+    save_reference_logps,
+)
 from ligertune.recipe import Recipe, dump_recipe
 from ligertune.training.build import (
     build_data,
@@ -167,11 +173,31 @@ def setup(recipe: Recipe, console: Console, *, resume: str | Path | None = None,
 
     run.out = together(open_outputs)
     describe_run(run, dtypes.compute or built.dtype, built.patches.describe() if built.patches else "none")
+    if recipe.objective.preference and recipe.objective.uses_reference:
+        attach_reference(run, resumed=checkpoint is not None)
     if checkpoint is not None:
         restore_checkpoint(run, checkpoint, saved)
         run.out.print(f"resumed from {checkpoint} at step {run.state.step} "
                       f"(epoch {run.state.epoch}, pack {run.state.index})")
     return run
+
+
+def attach_reference(run: Run, *, resumed: bool) -> None:
+    """The reference log-probabilities of every train and held-out answer on their packs: computed by
+    the starting model before the first step and saved in the run's folder, or, on `--resume`, read
+    back from there (`ligertune.objectives.reference`)."""
+    path = run.output_dir / REFERENCE_FILE
+    data = run.data
+    if resumed:
+        load_reference_logps(path, data.train_packs, data.eval_packs)
+        return
+    with run.meter.excluded():
+        compute_reference_logps(run.engine, [*data.train_packs, *data.eval_packs], run.device)
+    if run.topology.is_main:
+        save_reference_logps(path, data.train_packs, data.eval_packs)
+    run.out.print(f"reference: log-probabilities of {sum(p.num_answers for p in data.train_packs)} train and "
+                  f"{sum(p.num_answers for p in data.eval_packs)} held-out answers from the starting model "
+                  f"({REFERENCE_FILE})")
 
 
 def cluster_peak_tflops(device: torch.device, topology: Topology) -> float | None:
@@ -229,7 +255,7 @@ class StopSignals:
         self.requested: int | None = None
         self._previous: dict[int, object] = {}
 
-    def __enter__(self) -> "StopSignals":
+    def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
                 self._previous[signum] = signal.signal(signum, self._handle)

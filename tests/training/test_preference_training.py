@@ -1,0 +1,196 @@
+"""Preference training end to end on the CPU: a tiny llama, pairs made from the quick-start data.
+
+The chosen answer is the conversation's real last answer, the rejected one another conversation's.
+DPO starts at policy == reference (the reference log-probabilities are the starting model's), so its
+first loss is log 2; training raises the reward accuracy on the training pairs; one step's loss and
+gradients do not depend on how the step is cut; a resumed run reads the saved reference back and
+continues as the straight run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from rich.console import Console
+from test_resume import TIMINGS, StopAt
+from tiny_recipe import QUICKSTART, TINY_MODEL
+
+from ligertune.errors import UserError
+from ligertune.metrics import read_metrics
+from ligertune.objectives import Preference
+from ligertune.objectives.reference import REFERENCE_FILE
+from ligertune.recipe import load_recipe
+from ligertune.training import RunInterrupted, cleanup, setup, train_loop
+from ligertune.training.checkpoint import latest_checkpoint
+from ligertune.training.step import forward_backward, make_batch
+
+
+def paired_records(n: int, offset: int = 0) -> list[dict]:
+    """`n` pairs from the quick-start conversations from `offset` on: the prompt is every message but
+    the last, the chosen answer the last (the real one), the rejected one the last answer of the next
+    conversation with a different one."""
+    with (QUICKSTART / "train.jsonl").open(encoding="utf-8") as f:
+        conversations = [json.loads(line)["messages"] for line in itertools.islice(f, offset, offset + 2 * n + 8)]
+    records = []
+    for i, messages in enumerate(conversations[:n]):
+        chosen = messages[-1]["content"]
+        rejected = next(c[-1]["content"] for c in conversations[i + 1:] if c[-1]["content"] != chosen)
+        records.append({"prompt": messages[:-1], "chosen": chosen, "rejected": rejected})
+    return records
+
+
+def write_preference_recipe(folder: Path, n_train: int = 32, n_eval: int = 8, **sections) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, records in (("train", paired_records(n_train)), ("eval", paired_records(n_eval, offset=1000))):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    recipe = {
+        "model": {"config": dict(TINY_MODEL), "tokenizer": str(QUICKSTART / "tokenizer"), "dtype": "float32"},
+        "objective": {"name": "dpo"},
+        "data": {"path": "train.jsonl", "eval_path": "eval.jsonl", "format": "paired", "max_seq_len": 256,
+                 "cache_dir": None},
+        "optim": {"lr": 3e-3, "warmup_steps": 0},
+        "train": {"max_steps": 3, "micro_batch_size": 2, "grad_accum_steps": 2, "eval_every": None,
+                  "eval_at_start": False},
+        "output": {"dir": str(folder / "run")},
+    }
+    for section, values in sections.items():
+        recipe.setdefault(section, {}).update(values)
+    path = folder / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def start(path: Path, *overrides: str, resume=None):
+    return setup(load_recipe(path, list(overrides)), Console(quiet=True), resume=resume)
+
+
+def finish(run, stop=None):
+    try:
+        return train_loop(run, stop)
+    finally:
+        cleanup(run)
+
+
+def train_losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+
+
+@torch.no_grad()
+def pack_metrics(run, packs) -> dict[str, float]:
+    """The objective's metrics over `packs` (eval mode, no update)."""
+    run.engine.eval()
+    size = run.recipe.train.micro_batch_size
+    totals = forward_backward(run, [make_batch(run, packs[i:i + size]) for i in range(0, len(packs), size)],
+                              backward=False)
+    run.engine.train()
+    return run.objective.summarize({k: float(v) for k, v in totals.items()})
+
+
+def test_dpo_starts_at_log_2_and_learns_the_pairs(tmp_path: Path):
+    # 12 pairs in 5 packs, all of them in every step: the whole training set, 15 times.
+    path = write_preference_recipe(tmp_path, n_train=12, objective={"beta": 0.5},
+                                   optim={"lr": 3e-3, "schedule": "constant"},
+                                   train={"max_steps": 15, "micro_batch_size": 8, "grad_accum_steps": 1,
+                                          "eval_every": 15})
+    run = start(path)
+    assert isinstance(run.objective, Preference) and run.objective.cfg.loss == "dpo"
+    assert all(p.reference_logps is not None and len(p.reference_logps) == p.num_answers
+               for p in [*run.data.train_packs, *run.data.eval_packs])
+    assert (tmp_path / "run" / REFERENCE_FILE).is_file()
+    before = pack_metrics(run, run.data.train_packs)
+    # policy == reference: every margin is 0 (to float32 rounding), the loss log 2, no pair won.
+    assert before["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert abs(before["reward_margin"]) < 1e-6
+    finish(run)
+    losses = train_losses(tmp_path / "run")
+    assert len(losses) == 15
+    assert losses[0] == pytest.approx(math.log(2), abs=1e-6)  # the first step sees the starting model
+    assert max(losses[-3:]) < 0.5 * math.log(2)
+    after = pack_metrics(run, run.data.train_packs)
+    assert after["loss"] < 0.5 * math.log(2), after
+    assert after["reward_accuracy"] >= 0.9, after
+    assert after["reward_margin"] > 0.5, after
+    assert after["reward_chosen"] > after["reward_rejected"]
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert any("eval_reward_accuracy" in r for r in records)  # the last step evaluates the held-out pairs
+
+
+def step_grads(path: Path, micro: int, accum: int) -> tuple[dict[str, float], list[torch.Tensor]]:
+    run = start(path, f"train.micro_batch_size={micro}", f"train.grad_accum_steps={accum}",
+                f"output.dir={path.parent / f'run-{micro}x{accum}'}")
+    try:
+        packs = run.stream.take(run.state, 4)
+        batches = [make_batch(run, packs[i:i + micro]) for i in range(0, 4, micro)]
+        totals = forward_backward(run, batches, backward=True)
+        metrics = run.objective.summarize({k: float(v) for k, v in totals.items()})
+        return metrics, [p.grad.clone() for p in run.model.parameters()]
+    finally:
+        cleanup(run)
+
+
+@pytest.mark.parametrize("loss", ["dpo", "ipo", "simpo", "orpo"])
+def test_one_step_is_the_same_however_it_is_cut(tmp_path: Path, loss: str):
+    """4 packs in one micro-batch, or in four: the same loss, metrics and gradients (float32 CPU).
+    After one update (lr high) the margins are not 0, so the reference matters for dpo and ipo."""
+    path = write_preference_recipe(tmp_path, objective={"name": loss}, data={"packing": False})
+    whole, whole_grads = step_grads(path, 4, 1)
+    cut, cut_grads = step_grads(path, 1, 4)
+    for key, value in whole.items():
+        assert cut[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    for g, g0 in zip(cut_grads, whole_grads):
+        assert (g - g0).norm() <= 1e-5 * g0.norm() + 1e-9
+    assert sum(g.abs().sum() for g in whole_grads) > 0
+
+
+def test_resume_reads_the_saved_reference_and_continues_as_the_straight_run(tmp_path: Path):
+    path = write_preference_recipe(tmp_path, train={"max_steps": 6, "save_every": 3})
+    straight = start(path, f"output.dir={tmp_path / 'straight'}")
+    finish(straight)
+
+    interrupted = start(path, f"output.dir={tmp_path / 'resumed'}")
+    with pytest.raises(RunInterrupted):
+        finish(interrupted, StopAt(interrupted, 3))
+    assert latest_checkpoint(tmp_path / "resumed").name == "step-000003"
+    resumed = start(path, f"output.dir={tmp_path / 'resumed'}", resume="latest")
+    assert resumed.state.step == 3
+    assert [p.reference_logps for p in resumed.data.train_packs] == [p.reference_logps for p in
+                                                                     straight.data.train_packs]
+    finish(resumed)
+    for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q), name
+
+    def after(run_dir):
+        return [{k: v for k, v in r.items() if k not in TIMINGS}
+                for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] > 3 and "checkpoint" not in r]
+    assert after(tmp_path / "resumed") == after(tmp_path / "straight")
+    assert len(train_losses(tmp_path / "resumed")) == 6
+
+
+def test_resume_refuses_a_missing_or_mismatched_reference(tmp_path: Path):
+    path = write_preference_recipe(tmp_path, train={"max_steps": 2, "save_every": 1})
+    finish(start(path, "train.max_steps=2"))
+    saved = tmp_path / "run" / REFERENCE_FILE
+    record = json.loads(saved.read_text())
+    record["train"][0].append(-1.0)
+    saved.write_text(json.dumps(record))
+    with pytest.raises(UserError, match="the data changed"):
+        start(path, "train.max_steps=3", resume="latest")
+    saved.unlink()
+    with pytest.raises(UserError, match="is missing"):
+        start(path, "train.max_steps=3", resume="latest")
+
+
+def test_simpo_is_reference_free(tmp_path: Path):
+    path = write_preference_recipe(tmp_path, objective={"name": "simpo"}, train={"max_steps": 1})
+    run = start(path)
+    assert all(p.reference_logps is None for p in run.data.train_packs)
+    result = finish(run)
+    assert result.steps == 1 and math.isfinite(result.train_loss)
+    assert not (tmp_path / "run" / REFERENCE_FILE).exists()
+    assert result.sample is not None  # a greedy answer to the first held-out prompt

@@ -194,3 +194,19 @@ def test_simpo_is_reference_free(tmp_path: Path):
     assert result.steps == 1 and math.isfinite(result.train_loss)
     assert not (tmp_path / "run" / REFERENCE_FILE).exists()
     assert result.sample is not None  # a greedy answer to the first held-out prompt
+
+
+def test_dpo_with_lora_starts_from_the_base_as_reference(tmp_path: Path):
+    """With LoRA the starting model is the base (B = 0): the first loss is log 2, and only the
+    adapters move."""
+    path = write_preference_recipe(tmp_path, lora={"r": 4, "alpha": 8}, optim={"lr": 1e-2},
+                                   train={"max_steps": 2})
+    run = start(path)
+    base = {n: p.detach().clone() for n, p in run.model.named_parameters() if not p.requires_grad}
+    finish(run)
+    losses = train_losses(tmp_path / "run")
+    assert losses[0] == pytest.approx(math.log(2), abs=1e-6)
+    assert losses[1] != pytest.approx(math.log(2), abs=1e-6)
+    for name, p in run.model.named_parameters():
+        if name in base:
+            assert torch.equal(p, base[name]), name

@@ -125,8 +125,12 @@ def test_pack_equals_its_conversations(triton_path, dtype):
 
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")])
 def test_reference_is_transformers_apply_rotary_pos_emb(dtype):
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    from transformers.models.llama import modeling_llama
 
+    # transformers' own function, also where an earlier test's patched model left ligertune's
+    # redirect in the modeling module (`models.patching`: it keeps the original).
+    apply_rotary_pos_emb = getattr(modeling_llama.apply_rotary_pos_emb, "original",
+                                   modeling_llama.apply_rotary_pos_emb)
     shape = (2, 6, 2, 37, 24)
     q, k, dq_embed, dk_embed = make_qk(shape, dtype, hf_layout=True, seed=4)
     cos, sin = rotary(24, pack_positions(2, 37), dtype)

@@ -17,16 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from rich.console import Console
-from test_resume import TIMINGS, StopAt
+from test_resume import TIMINGS, StopAt, finish, start
 from tiny_recipe import QUICKSTART, TINY_MODEL
 
 from ligertune.errors import UserError
 from ligertune.metrics import read_metrics
 from ligertune.objectives import Preference
 from ligertune.objectives.reference import REFERENCE_FILE
-from ligertune.recipe import load_recipe
-from ligertune.training import RunInterrupted, cleanup, setup, train_loop
+from ligertune.training import RunInterrupted, cleanup
 from ligertune.training.checkpoint import latest_checkpoint
 from ligertune.training.step import forward_backward, make_batch
 
@@ -64,17 +62,6 @@ def write_preference_recipe(folder: Path, n_train: int = 32, n_eval: int = 8, **
     path = folder / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
     return path
-
-
-def start(path: Path, *overrides: str, resume=None):
-    return setup(load_recipe(path, list(overrides)), Console(quiet=True), resume=resume)
-
-
-def finish(run, stop=None):
-    try:
-        return train_loop(run, stop)
-    finally:
-        cleanup(run)
 
 
 def train_losses(run_dir: Path) -> list[float]:

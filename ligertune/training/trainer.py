@@ -41,7 +41,8 @@ from ligertune.distributed import (
 )
 from ligertune.flops import device_peak_tflops
 from ligertune.kernels import active_path
-from ligertune.models import decoder_of, load_tokenizer
+from ligertune.models import decoder_of, load_tokenizer, unpatch_model
+from ligertune.models.lora import unpatch_lora
 from ligertune.models.quantize import parameter_count
 from ligertune.objectives.reference import (
     REFERENCE_FILE,
@@ -456,8 +457,13 @@ def finish(run: Run) -> TrainResult:
 
 
 def cleanup(run: Run) -> None:
+    """Undo what the run changed outside itself: the offload hooks, the kernel patches (the RoPE
+    redirect lives in the model family's module, where it would reach a later model of the same
+    process) and the open outputs."""
     if run.offload is not None:
         run.offload.remove()
+    unpatch_lora(run.model)
+    unpatch_model(run.model)
     run.out.close()
 
 

@@ -162,3 +162,19 @@ def test_the_next_steps_batches_are_made_ahead_from_the_same_position(tiny_recip
     finally:
         cleanup(plain)
         cleanup(ahead)
+
+
+def test_a_finished_run_leaves_no_patch_behind(tmp_path: Path):
+    """The kernels are patched into the run's model only: after the run its modules run their own
+    forwards, and llama's modeling module holds transformers' RoPE function again, so a model made
+    later in the same process is not redirected."""
+    from transformers.models.llama import modeling_llama
+
+    from ligertune.models import is_patched
+    from ligertune.models.lora import is_lora_patched
+
+    rope = modeling_llama.apply_rotary_pos_emb
+    state, _ = run(write_recipe(tmp_path, lora={"r": 4, "alpha": 8, "target_modules": "all-linear"}),
+                   "train.max_steps=1")
+    assert modeling_llama.apply_rotary_pos_emb is rope
+    assert not is_patched(state.model) and not is_lora_patched(state.model)

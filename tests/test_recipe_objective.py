@@ -87,9 +87,9 @@ def test_given_values_are_kept_and_the_filled_defaults_are_what_a_resumed_run_co
 
 
 def test_every_setting_of_dpo_at_once():
-    objective = recipe_with({"name": "dpo", "beta": 0.3, "label_smoothing": 0.2, "reference": "model"},
+    objective = recipe_with({"name": "dpo", "beta": 0.3, "label_smoothing": 0.2, "reference": "live"},
                             PAIRED).objective
-    assert (objective.beta, objective.label_smoothing, objective.reference) == (0.3, 0.2, "model")
+    assert (objective.beta, objective.label_smoothing, objective.reference) == (0.3, 0.2, "live")
     kto = recipe_with({"name": "kto", "desirable_weight": 1.33, "undesirable_weight": 0.5}, PAIRED).objective
     assert (kto.desirable_weight, kto.undesirable_weight) == (1.33, 0.5)
 
@@ -113,8 +113,8 @@ def test_every_setting_of_dpo_at_once():
         ({"name": "dpo", "reference": "none"}, "objective.reference: dpo measures its reward against a reference"),
         ({"name": "ipo", "reference": "none"}, "objective.reference: ipo measures its reward against a reference"),
         ({"name": "kto", "reference": "none"}, "objective.reference: kto measures its reward against a reference"),
-        ({"name": "simpo", "reference": "model"}, "objective.reference: simpo is reference-free"),
-        ({"name": "orpo", "reference": "model"}, "objective.reference: orpo is reference-free"),
+        ({"name": "simpo", "reference": "live"}, "objective.reference: simpo is reference-free"),
+        ({"name": "orpo", "reference": "precomputed"}, "objective.reference: orpo is reference-free"),
         ({"name": "dp"}, "objective.name: must be one of sft, dpo, ipo, simpo, orpo, kto, got 'dp'; "
                          "did you mean `dpo`?"),
         ({"name": "dpo", "beta": "high"}, "objective.beta: expected a number, got 'high'"),
@@ -146,7 +146,7 @@ def test_the_edges_of_each_range_are_accepted():
         ({"name": "dpo", "desirable_weight": 2.0}, "desirable_weight", "kto only, and objective.name is dpo"),
         ({"name": "simpo", "undesirable_weight": 0.5}, "undesirable_weight", "kto only, and objective.name is simpo"),
         ({"beta": 0.1}, "beta", "dpo, ipo, simpo and kto only, and objective.name is sft"),
-        ({"reference": "model"}, "reference", "dpo, ipo, simpo, orpo and kto only, and objective.name is sft"),
+        ({"reference": "live"}, "reference", "dpo, ipo, simpo, orpo and kto only, and objective.name is sft"),
         ({"reference": "none"}, "reference", "dpo, ipo, simpo, orpo and kto only, and objective.name is sft"),
         ({"label_smoothing": 0.1}, "label_smoothing", "dpo only, and objective.name is sft"),
     ],

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping, Protocol, Sequence
+from typing import Any, Callable, Literal, Mapping, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -407,6 +407,9 @@ class Preference:
     def __init__(self, cfg: PreferenceConfig):
         self.cfg = cfg
         self.kto = cfg.loss == "kto"
+        self.reference: Callable[[PreferenceBatch], torch.Tensor] | None = None
+        """Scores a batch's answers with the reference model when its packs carry no precomputed
+        sums (`objective.reference: live`, `ligertune.objectives.reference.LiveReference`)."""
         if self.kto:
             self.sums = ("loss", "n_pairs", "n_tokens", "n_chosen", "n_rejected", "chosen_reward",
                          "rejected_reward", "chosen_logp", "rejected_logp")
@@ -423,6 +426,8 @@ class Preference:
 
     def forward(self, engine: AnswerScorer, batch: PreferenceBatch, weights: torch.Tensor) -> MicroBatchLoss:
         n_answers = int(batch.answer_pair.numel())
+        if batch.reference_logps is None and self.reference is not None:
+            batch.reference_logps = self.reference(batch)
         attention = batch.attention() if callable(batch.attention) else batch.attention
         # Keywords: `CausalLMLoss.forward` scores answers when given `score_rows`, in its own forward.
         logps = engine(batch.input_ids, batch.position_ids, score_rows=batch.score_rows,

@@ -290,14 +290,19 @@ class ObjectiveConfig:
         1.0, "`kto` only: lambda_U, the weight of an undesirable answer's loss (see `desirable_weight`). "
         "Must be > 0."
     )
-    reference: Literal["auto", "model", "none"] = _field(
+    reference: Literal["auto", "precomputed", "live", "none"] = _field(
         "auto",
-        "Where the reference log-probabilities log pi_ref(y|x) come from. `model`: the starting model, "
-        "frozen (with `lora`, the same weights with the adapters off; for full fine-tuning, a frozen "
-        "copy), needed by dpo, ipo and kto; `none`: no reference, for the reference-free simpo and "
-        "orpo. `auto`: `model` for dpo, ipo and kto, `none` for simpo and orpo. Other combinations "
-        "are refused: dpo, ipo and kto are defined against a reference, and simpo and orpo never "
-        "read one.",
+        "Where the reference log-probabilities log pi_ref(y|x) of dpo, ipo and kto come from: the "
+        "starting model, frozen (with `lora`, the same weights with the adapters off). "
+        "`precomputed`: one pass of it over the training and held-out answers before the first step, "
+        "kept in `data.cache_dir` keyed by model and data (a repeated run reads them back) and in the "
+        "run's folder (for `--resume`); no second model in memory. `live`: scored again at every "
+        "micro-batch, with the adapters off (`lora`) or by a frozen copy of the model held in memory "
+        "(full fine-tuning): no pass before the first step, one extra forward per micro-batch; for "
+        "runs that see a small part of a large dataset. `none`: no reference, for the reference-free "
+        "simpo and orpo. `auto`: `precomputed` for dpo, ipo and kto, `none` for simpo and orpo. Other "
+        "combinations are refused: dpo, ipo and kto are defined against a reference, and simpo and "
+        "orpo never read one.",
     )
 
     def __post_init__(self) -> None:
@@ -313,7 +318,14 @@ class ObjectiveConfig:
     @property
     def uses_reference(self) -> bool:
         """Whether the step needs the frozen reference model's log-probabilities (`reference`)."""
-        return self.reference == "model" or (self.reference == "auto" and self.name in REFERENCE_OBJECTIVES)
+        return self.reference_mode != "none"
+
+    @property
+    def reference_mode(self) -> str:
+        """`precomputed`, `live` or `none`: `reference` with `auto` decided by the objective."""
+        if self.reference != "auto":
+            return self.reference
+        return "precomputed" if self.name in REFERENCE_OBJECTIVES else "none"
 
     def check(self) -> list[tuple[str, str]]:
         problems = []
@@ -341,8 +353,8 @@ class ObjectiveConfig:
                 problems.append((key, f"must be > 0, got {getattr(self, key)}"))
         if self.name in REFERENCE_OBJECTIVES and self.reference == "none":
             problems.append(("reference", f"{self.name} measures its reward against a reference model: use "
-                             "`model` (or `auto`), or a reference-free objective (simpo, orpo)"))
-        if self.name in ("simpo", "orpo") and self.reference == "model":
+                             "`precomputed`, `live` (or `auto`), or a reference-free objective (simpo, orpo)"))
+        if self.name in ("simpo", "orpo") and self.reference in ("precomputed", "live"):
             problems.append(("reference", f"{self.name} is reference-free and never reads a reference model: "
                              "use `none` (or `auto`), or an objective that uses one (dpo, ipo, kto)"))
         return problems

@@ -571,11 +571,14 @@ def schedule_warnings(cfg: OptimConfig, total_steps: int) -> list[str]:
 
 
 def build_run(recipe: Recipe, model: nn.Module, *, device: torch.device, total_steps: int,
-              topology: Topology | None = None, mixed_precision: torch.dtype | None = None, **parts) -> Run:
+              topology: Topology | None = None, mixed_precision: torch.dtype | None = None,
+              reference_model: nn.Module | None = None, **parts) -> Run:
     """What one training step needs, around `model` (from `build_model`): the objective, the loss
     head (sharded over the processes of `topology`), the optimizer, the schedule over `total_steps`
     and the gradient checkpointing of `train.gradient_checkpointing`. `parts` are the `Run`'s other
-    fields (its data and outputs); `bench step` times the step of a run built with none."""
+    fields (its data and outputs); `bench step` times the step of a run built with none. With
+    `objective.reference: live`, the objective scores the reference with the adapters off (`lora`)
+    or through `reference_model`, the frozen starting model (full fine-tuning, `build_reference_model`)."""
     from ligertune.distributed import shard
     from ligertune.objectives import build_objective
 
@@ -586,7 +589,11 @@ def build_run(recipe: Recipe, model: nn.Module, *, device: torch.device, total_s
         engine = shard(head, models.decoder_of(model).layers, strategy=strategy(recipe), device=device,
                        mixed_precision=mixed_precision)
     optimizer = build_optimizer(model, recipe.optim)
-    run = Run(recipe=recipe, device=device, model=model, head=head, objective=build_objective(recipe),
+    objective = build_objective(recipe)
+    if recipe.objective.reference_mode == "live":
+        objective.reference = live_reference(recipe, model, engine, reference_model, topology=topology,
+                                             device=device, mixed_precision=mixed_precision)
+    run = Run(recipe=recipe, device=device, model=model, head=head, objective=objective,
               optimizer=optimizer, scheduler=build_scheduler(optimizer, recipe.optim, total_steps=total_steps),
               total_steps=total_steps, topology=topology, engine=engine, **parts)
     run.checkpointing = checkpointing_policy(recipe.train, model, device, optimizer)
@@ -594,6 +601,35 @@ def build_run(recipe: Recipe, model: nn.Module, *, device: torch.device, total_s
     run.offload = (run.checkpointing.offloader if isinstance(run.checkpointing, CheckpointPlanner)
                    else fixed_offload(recipe.train, layers, device))
     return run
+
+
+def build_reference_model(recipe: Recipe, *, device: torch.device, vocab_size: int,
+                          dtype: torch.dtype | None) -> nn.Module | None:
+    """The frozen starting model that `objective.reference: live` scores with in full fine-tuning
+    (built as the policy is, with the same kernels; its parameters need no gradient); None where no
+    copy is needed (no live reference, or LoRA: the policy with its adapters off)."""
+    if recipe.objective.reference_mode != "live" or recipe.lora is not None:
+        return None
+    built = build_model(recipe, device=device, vocab_size=vocab_size, dtype=dtype)
+    built.module.requires_grad_(False)
+    return built.module.eval()
+
+
+def live_reference(recipe: Recipe, model: nn.Module, engine: nn.Module, reference_model: nn.Module | None, *,
+                   topology: Topology, device: torch.device, mixed_precision: torch.dtype | None):
+    """The scorer of `objective.reference: live` (`ligertune.objectives.reference.LiveReference`)."""
+    from ligertune.distributed import shard
+    from ligertune.objectives.reference import LiveReference
+
+    if recipe.lora is not None:
+        return LiveReference(engine, model.disable_adapter)
+    if reference_model is None:
+        raise ValueError("objective.reference: live without LoRA scores through a frozen copy: give reference_model")
+    head = build_head(reference_model, recipe.kernels, recipe.loss)
+    if topology.distributed:
+        head = shard(head, models.decoder_of(reference_model).layers, strategy="fsdp", device=device,
+                     mixed_precision=mixed_precision)
+    return LiveReference(head)
 
 
 def checkpointing_policy(cfg: TrainConfig, model: nn.Module, device: torch.device,

@@ -30,15 +30,18 @@ import torch
 import transformers
 from rich.console import Console
 
+from ligertune.devices import synchronize
 from ligertune.distributed import (
     Topology,
     all_reduce_max,
     barrier,
     destroy_process_group,
+    gather_objects,
     init_process_group,
     together,
     topology_from_environment,
 )
+from ligertune.errors import first_line
 from ligertune.flops import device_peak_tflops
 from ligertune.kernels import active_path
 from ligertune.models import decoder_of, load_tokenizer, unpatch_model
@@ -46,8 +49,11 @@ from ligertune.models.lora import unpatch_lora
 from ligertune.models.quantize import parameter_count
 from ligertune.objectives.reference import (
     REFERENCE_FILE,
+    cached_path,
     compute_reference_logps,
+    load_cached,
     load_reference_logps,
+    reference_key,
     save_reference_logps,
 )
 from ligertune.recipe import Recipe, dump_recipe
@@ -55,6 +61,7 @@ from ligertune.training.build import (
     build_data,
     build_device,
     build_model,
+    build_reference_model,
     build_run,
     fsdp_dtypes,
     optimizer_warnings,
@@ -152,11 +159,13 @@ def setup(recipe: Recipe, console: Console, *, resume: str | Path | None = None,
                             dtype=dtypes.model, trainable_dtype=dtypes.trainable)
         if checkpoint is not None:
             load_model_weights(built.module, checkpoint)
-        return tokenizer, data, built
+        reference = build_reference_model(recipe, device=device, vocab_size=len(tokenizer), dtype=dtypes.model)
+        return tokenizer, data, built, reference
 
-    tokenizer, data, built = together(build)
+    tokenizer, data, built, reference_model = together(build)
     run = build_run(
         recipe, built.module, device=device, topology=topology, mixed_precision=dtypes.compute,
+        reference_model=reference_model,
         total_steps=total_steps(cfg, len(data.train_packs), topology.world_size),
         tokenizer=tokenizer, data=data, output_dir=output_dir,
         meter=Throughput(device, clock, peak_tflops=cluster_peak_tflops(device, topology)),
@@ -174,7 +183,7 @@ def setup(recipe: Recipe, console: Console, *, resume: str | Path | None = None,
 
     run.out = together(open_outputs)
     describe_run(run, dtypes.compute or built.dtype, built.patches.describe() if built.patches else "none")
-    if recipe.objective.preference and recipe.objective.uses_reference:
+    if recipe.objective.reference_mode == "precomputed":
         attach_reference(run, resumed=checkpoint is not None)
     if checkpoint is not None:
         restore_checkpoint(run, checkpoint, saved)
@@ -184,21 +193,37 @@ def setup(recipe: Recipe, console: Console, *, resume: str | Path | None = None,
 
 
 def attach_reference(run: Run, *, resumed: bool) -> None:
-    """The reference log-probabilities of every train and held-out answer on their packs: computed by
-    the starting model before the first step and saved in the run's folder, or, on `--resume`, read
-    back from there (`ligertune.objectives.reference`)."""
+    """The reference log-probabilities of every train and held-out answer on their packs
+    (`ligertune.objectives.reference`): on `--resume`, read back from the run's folder; else read
+    from the data cache when the same model and data were scored before, or computed by the starting
+    model before the first step; then saved in the run's folder (and the cache)."""
     path = run.output_dir / REFERENCE_FILE
     data = run.data
     if resumed:
         load_reference_logps(path, data.train_packs, data.eval_packs)
         return
-    with run.meter.excluded():
-        compute_reference_logps(run.engine, [*data.train_packs, *data.eval_packs], run.device)
+    cache_dir = run.recipe.data.cache_dir
+    key = reference_key(run.recipe, data.train_packs, data.eval_packs, device=run.device,
+                        world_size=run.topology.world_size)
+    cached = cached_path(cache_dir, key) if cache_dir is not None and key is not None else None
+    answers = (f"{sum(p.num_answers for p in data.train_packs):,} train and "
+               f"{sum(p.num_answers for p in data.eval_packs):,} held-out answers")
+    if cached is not None and all(gather_objects(load_cached(cached, key, data.train_packs, data.eval_packs))):
+        run.out.print(f"reference: log-probabilities of {answers} read from {cached}")
+    else:
+        with run.meter.excluded():
+            started = time.perf_counter()
+            compute_reference_logps(run.engine, [*data.train_packs, *data.eval_packs], run.device, run.topology)
+            synchronize(run.device)
+            seconds = time.perf_counter() - started
+        if run.topology.is_main and cached is not None:
+            try:
+                save_reference_logps(cached, data.train_packs, data.eval_packs, key)
+            except OSError as err:  # a cache that cannot be written costs the next run a pass, no more
+                run.out.print(f"reference: not cached ({first_line(err)})")
+        run.out.print(f"reference: log-probabilities of {answers} from the starting model in {seconds:.1f} s")
     if run.topology.is_main:
-        save_reference_logps(path, data.train_packs, data.eval_packs)
-    run.out.print(f"reference: log-probabilities of {sum(p.num_answers for p in data.train_packs)} train and "
-                  f"{sum(p.num_answers for p in data.eval_packs)} held-out answers from the starting model "
-                  f"({REFERENCE_FILE})")
+        save_reference_logps(path, data.train_packs, data.eval_packs, key)
 
 
 def cluster_peak_tflops(device: torch.device, topology: Topology) -> float | None:

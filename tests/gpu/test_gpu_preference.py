@@ -67,7 +67,7 @@ def make_units(shapes, kto: bool, seed: int = 0):
         for n in lens:
             start = len(labels)
             labels += [ids[start + i] if i % 7 != 3 else IGNORE_INDEX for i in range(n)]
-        fields = dict(input_ids=ids, labels=labels, prompt_len=p, answer_lens=tuple(lens))
+        fields = {"input_ids": ids, "labels": labels, "prompt_len": p, "answer_lens": tuple(lens)}
         units.append(KTOExample(**fields, desirable=k % 2 == 0) if kto else PreferenceExample(**fields))
     return units
 

@@ -15,6 +15,17 @@ system prompts ("Answer in capital letters.") changes every answer, so the model
 The memory question asks for the word of the first turn, which only attention over earlier turns
 can answer.
 
+The preference pairs of the DPO example (recipes/quickstart-dpo.yaml) are conversations of the two
+splits with their last answer in question: every earlier message is the prompt (the earlier turns
+answered right), the right answer is chosen and a plausible wrong one of the same game rejected:
+
+    prompt:    [..., user: "what comes after k?"]   chosen: "l"      rejected: "j"
+    prompt:    [..., user: "reverse plant"]         chosen: "tnalp"  rejected: "tanlp"
+
+`pairs_train.jsonl` comes from training conversations, `pairs_eval.jsonl` from every held-out one,
+so neither run trains on a held-out pair's prompt. The wrong answers are drawn from a second seeded
+generator: the conversations are the same bytes with or without the pairs.
+
 The tokenizer has one token per byte (so every letter of a word in play is its own token:
 "reverse" and "sort" act on tokens the model can see, not on the hidden spelling of
 multi-character pieces), plus one token per fixed word of the chat template and the instructions
@@ -28,7 +39,7 @@ The chat template is ChatML:
 with `<|im_end|>` as the end-of-sequence token (generation stops at the end of a turn) and
 `<|endoftext|>` as padding.
 
-Everything comes from one seeded `random.Random`, so running this again writes the same bytes:
+Everything is drawn from the two seeded `random.Random`s, so running this again writes the same bytes:
 
     python scripts/make_quickstart_data.py                 # rewrites recipes/quickstart/
     python scripts/make_quickstart_data.py --out /tmp/qs   # somewhere else
@@ -48,6 +59,8 @@ from pathlib import Path
 SEED = 1234
 N_TRAIN = 5000
 N_EVAL = 160
+PAIRS_SEED = 4321
+N_PAIRS_TRAIN = 1000
 
 # Short, common words; none of them appears in the instructions, so a word in the payload is
 # always the thing to operate on.
@@ -78,66 +91,88 @@ CAPITALS = "Answer in capital letters."
 
 @dataclass(frozen=True)
 class Turn:
-    """One question and its answer; `word` is the payload word, when the question has one."""
+    """One question and its answer; `word` is the payload word, when the question has one.
+
+    `mistake(rng)` gives a plausible wrong answer of the same game (the rejected answer of a
+    preference pair). It draws from the rng it is given, never from the one that draws the
+    conversations, so the conversations do not depend on whether pairs are made.
+    """
 
     question: str
     answer: str
     word: str | None = None
+    mistake: Callable[[random.Random], str] | None = None
 
 
 def _reverse(rng: random.Random) -> Turn:
     word = rng.choice(WORDS)
-    return Turn(rng.choice(("reverse {}", "spell {} backwards")).format(word), word[::-1], word)
+    return Turn(rng.choice(("reverse {}", "spell {} backwards")).format(word), word[::-1], word,
+                lambda r: _swap_neighbours(word[::-1], r))
 
 
 def _uppercase(rng: random.Random) -> Turn:
     word = rng.choice(WORDS)
-    return Turn(f"uppercase {word}", word.upper(), word)
+    # Not a letter left in lower case: under "Answer in capital letters." that would be right.
+    return Turn(f"uppercase {word}", word.upper(), word, lambda r: _swap_neighbours(word, r).upper())
 
 
 def _sort_letters(rng: random.Random) -> Turn:
     word = rng.choice(WORDS)
-    return Turn(f"sort the letters of {word}", "".join(sorted(word)), word)
+    return Turn(f"sort the letters of {word}", "".join(sorted(word)), word,
+                lambda r: _swap_neighbours("".join(sorted(word)), r))
 
 
 def _count_letters(rng: random.Random) -> Turn:
     word = rng.choice(WORDS)
-    return Turn(f"how many letters are in {word}?", str(len(word)), word)
+    return Turn(f"how many letters are in {word}?", str(len(word)), word,
+                lambda r: str(len(word) + r.choice((-1, 1))))
 
 
 def _first_letter(rng: random.Random) -> Turn:
     word = rng.choice(WORDS)
-    return Turn(f"first letter of {word}?", word[0], word)
+    return Turn(f"first letter of {word}?", word[0], word, lambda r: r.choice([c for c in word if c != word[0]]))
 
 
 def _last_letter(rng: random.Random) -> Turn:
     word = rng.choice(WORDS)
-    return Turn(f"last letter of {word}?", word[-1], word)
+    return Turn(f"last letter of {word}?", word[-1], word, lambda r: r.choice([c for c in word if c != word[-1]]))
 
 
 def _repeat(rng: random.Random) -> Turn:
     word, times = rng.choice(WORDS), rng.randint(2, 3)
-    return Turn(f"say {word} {times} times", " ".join([word] * times), word)
+    return Turn(f"say {word} {times} times", " ".join([word] * times), word,
+                lambda r: " ".join([word] * r.choice([n for n in (1, 2, 3, 4) if n != times])))
 
 
 def _next_letter(rng: random.Random) -> Turn:
     letter = rng.choice(string.ascii_lowercase[:-1])
-    return Turn(f"what comes after {letter}?", chr(ord(letter) + 1))
+    # The neighbour on the wrong side; "a" has none, and the letter itself is the likelier slip.
+    return Turn(f"what comes after {letter}?", chr(ord(letter) + 1),
+                mistake=lambda r: chr(ord(letter) - 1) if letter != "a" else letter)
 
 
 def _sort_digits(rng: random.Random) -> Turn:
     digits = "".join(rng.choice(string.digits) for _ in range(rng.randint(3, 5)))
-    return Turn(f"sort the digits {digits}", "".join(sorted(digits)))
+    ordered = "".join(sorted(digits))
+    # "777" has no two digits to swap: one digit too few instead.
+    return Turn(f"sort the digits {digits}", ordered,
+                mistake=lambda r: _swap_neighbours(ordered, r) if len(set(ordered)) > 1 else ordered[1:])
 
 
 def _bigger(rng: random.Random) -> Turn:
     a, b = rng.sample(range(10, 100), 2)
-    return Turn(f"which is bigger, {a} or {b}?", str(max(a, b)))
+    return Turn(f"which is bigger, {a} or {b}?", str(max(a, b)), mistake=lambda r: str(min(a, b)))
 
 
 def _add(rng: random.Random) -> Turn:
     a, b = rng.randint(0, 9), rng.randint(0, 9)
-    return Turn(f"what is {a} + {b}?", str(a + b))
+    return Turn(f"what is {a} + {b}?", str(a + b), mistake=lambda r: str(a + b + r.choice((-1, 1)) if a + b else 1))
+
+
+def _swap_neighbours(text: str, rng: random.Random) -> str:
+    """`text` with two neighbouring characters that differ swapped ("tnalp" -> "tanlp")."""
+    i = rng.choice([i for i in range(len(text) - 1) if text[i] != text[i + 1]])
+    return text[:i] + text[i + 1] + text[i] + text[i + 2:]
 
 
 TASKS: tuple[Callable[[random.Random], Turn], ...] = (
@@ -147,38 +182,78 @@ TASKS: tuple[Callable[[random.Random], Turn], ...] = (
 MEMORY_QUESTIONS = ("which word did I give you first?", "what was the word in my first message?")
 
 
-def make_conversation(rng: random.Random) -> dict:
+def _memory(rng: random.Random, turns: list[Turn]) -> Turn:
+    """Ask back for the first turn's word; the wrong answer is the latest other word given, else any word."""
+    first = turns[0].word
+    others = [t.word for t in turns[1:] if t.word not in (None, first)]
+    return Turn(rng.choice(MEMORY_QUESTIONS), first,
+                mistake=lambda r: others[-1] if others else r.choice([w for w in WORDS if w != first]))
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """An optional system prompt and the question/answer turns after it."""
+
+    system: str | None
+    turns: tuple[Turn, ...]
+
+    def cased(self, answer: str) -> str:
+        """`answer` as this conversation's system prompt asks for it."""
+        return answer.upper() if self.system == CAPITALS else answer
+
+    def messages(self) -> list[dict]:
+        messages = [] if self.system is None else [{"role": "system", "content": self.system}]
+        for turn in self.turns:
+            messages.append({"role": "user", "content": turn.question})
+            messages.append({"role": "assistant", "content": self.cased(turn.answer)})
+        return messages
+
+    def record(self) -> dict:
+        return {"messages": self.messages()}
+
+    def pair(self, rng: random.Random) -> dict:
+        """The last answer as a preference pair: every earlier message (the earlier turns answered
+        right) is the prompt, the right answer is chosen and a wrong one of the same game rejected."""
+        *prompt, chosen = self.messages()
+        rejected = self.cased(self.turns[-1].mistake(rng))
+        assert rejected != chosen["content"], (chosen, rejected)
+        return {"prompt": prompt, "chosen": [chosen], "rejected": [{"role": "assistant", "content": rejected}]}
+
+
+def make_conversation(rng: random.Random) -> Conversation:
     """One conversation: an optional system prompt, then 2-4 user/assistant exchanges."""
-    messages = []
     system = rng.choice(SYSTEM_PROMPTS) if rng.random() < 0.35 else None
-    if system is not None:
-        messages.append({"role": "system", "content": system})
     turns = [rng.choice(TASKS)(rng)]
     for _ in range(rng.randint(2, 4) - 1):
         # Asking back for the first word needs attention across turns, not just within one.
         if turns[0].word is not None and rng.random() < 0.25:
-            turns.append(Turn(rng.choice(MEMORY_QUESTIONS), turns[0].word))
+            turns.append(_memory(rng, turns))
         else:
             turns.append(rng.choice(TASKS)(rng))
-    for turn in turns:
-        answer = turn.answer.upper() if system == CAPITALS else turn.answer
-        messages.append({"role": "user", "content": turn.question})
-        messages.append({"role": "assistant", "content": answer})
-    return {"messages": messages}
+    return Conversation(system, tuple(turns))
 
 
-def make_splits(seed: int = SEED, n_train: int = N_TRAIN, n_eval: int = N_EVAL) -> tuple[list[dict], list[dict]]:
+def make_splits(seed: int = SEED, n_train: int = N_TRAIN, n_eval: int = N_EVAL
+                ) -> tuple[list[Conversation], list[Conversation]]:
     """Train and held-out conversations, all distinct (no conversation is in both, or twice)."""
     rng = random.Random(seed)
     seen: set[str] = set()
     conversations = []
     while len(conversations) < n_train + n_eval:
         conversation = make_conversation(rng)
-        key = json.dumps(conversation, sort_keys=True)
+        key = json.dumps(conversation.record(), sort_keys=True)
         if key not in seen:
             seen.add(key)
             conversations.append(conversation)
     return conversations[n_eval:], conversations[:n_eval]
+
+
+def make_pairs(train: list[Conversation], held_out: list[Conversation], seed: int = PAIRS_SEED,
+               n_train: int = N_PAIRS_TRAIN) -> tuple[list[dict], list[dict]]:
+    """Preference pairs from the first `n_train` training conversations, and held-out pairs from
+    every held-out conversation: no stage of the quick start trains on a held-out pair's prompt."""
+    rng = random.Random(seed)
+    return [c.pair(rng) for c in train[:n_train]], [c.pair(rng) for c in held_out]
 
 
 CHAT_TEMPLATE = (
@@ -193,12 +268,12 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 ROLES = ("system", "user", "assistant")
 
 
-def fixed_words(conversations: list[dict]) -> list[str]:
+def fixed_words(records: list[dict]) -> list[str]:
     """Every word of two or more letters in the roles and prompts that is not a payload word."""
     payload = set(WORDS)
     words = set(ROLES)
-    for conversation in conversations:
-        for message in conversation["messages"]:
+    for record in records:
+        for message in record["messages"]:
             if message["role"] != "assistant":
                 words.update(w for w in re.findall(r"[A-Za-z]{2,}", message["content"]) if w not in payload)
     # A payload word that is also a fixed word would be one token in some places and letters in
@@ -265,14 +340,18 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
 
 
 def write_all(out: Path) -> None:
-    """Write train.jsonl, eval.jsonl and tokenizer/ under `out`."""
+    """Write train.jsonl, eval.jsonl, pairs_train.jsonl, pairs_eval.jsonl and tokenizer/ under `out`."""
     out.mkdir(parents=True, exist_ok=True)
     train, held_out = make_splits()
-    write_jsonl(out / "train.jsonl", train)
-    write_jsonl(out / "eval.jsonl", held_out)
+    records = [c.record() for c in train], [c.record() for c in held_out]
+    write_jsonl(out / "train.jsonl", records[0])
+    write_jsonl(out / "eval.jsonl", records[1])
+    pairs_train, pairs_eval = make_pairs(train, held_out)
+    write_jsonl(out / "pairs_train.jsonl", pairs_train)
+    write_jsonl(out / "pairs_eval.jsonl", pairs_eval)
     # The chat template goes inside tokenizer_config.json (not a separate .jinja file) so the
     # bundled recipe data is only .json/.jsonl files.
-    build_tokenizer(fixed_words(train + held_out)).save_pretrained(out / "tokenizer", save_jinja_files=False)
+    build_tokenizer(fixed_words(records[0] + records[1])).save_pretrained(out / "tokenizer", save_jinja_files=False)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,6 +24,7 @@ from typer.testing import CliRunner
 from ligertune import hub
 from ligertune.cli.main import app
 from ligertune.data import chat
+from ligertune.recipe import bundled_recipes
 
 runner = CliRunner()
 
@@ -343,6 +344,20 @@ def test_a_mistyped_local_model_folder_is_the_users_mistake_not_the_hubs(recipe,
         f"error: model.name_or_path: no such folder: {shown}"
     line = error_line(invoke("validate", elsewhere, "--set", f"model.tokenizer={path}"))
     assert line == f"error: model.tokenizer: no such folder: {shown}"
+
+
+def test_a_missing_final_folder_says_which_run_to_train_first(recipe, tmp_path, monkeypatch):
+    """`RUN/final` is what a finished run leaves: the line says so, and names the bundled recipe that
+    writes RUN when there is one (the DPO example starts from the quick start's model)."""
+    monkeypatch.chdir(tmp_path)
+    model = ["--set", "model.config=null", "--set"]
+    assert error_line(invoke("validate", recipe, *model, "model.name_or_path=runs/mine/final")) == (
+        "error: model.name_or_path: no such folder: runs/mine/final (the model a run writing to runs/mine "
+        "leaves when it finishes: train that run first)")
+    quickstart = bundled_recipes()["quickstart"]
+    assert error_line(invoke("validate", recipe, *model, "model.name_or_path=runs/quickstart/final")) == (
+        "error: model.name_or_path: no such folder: runs/quickstart/final (the model "
+        f"`ligertune train {quickstart}` leaves: run that first)")
 
 
 def test_a_hub_id_offline_fails_at_once_and_says_so(recipe, monkeypatch):

@@ -1,4 +1,5 @@
-"""The bundled quick-start data: reproducible, correct, disjoint, and rendered by its own tokenizer."""
+"""The bundled quick-start data: reproducible, correct, disjoint, and rendered by its own tokenizer;
+the preference pairs of the DPO example: right against plausibly wrong, held-out from held-out."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 BUNDLED_FILES = (
     "train.jsonl",
     "eval.jsonl",
+    "pairs_train.jsonl",
+    "pairs_eval.jsonl",
     "tokenizer/tokenizer.json",
     "tokenizer/tokenizer_config.json",
 )
@@ -35,6 +38,12 @@ def load_script():
 def conversations(name: str) -> tuple[tuple[dict, ...], ...]:
     with (BUNDLE / name).open(encoding="utf-8") as f:
         return tuple(tuple(json.loads(line)["messages"]) for line in f)
+
+
+@cache
+def pairs(name: str) -> tuple[dict, ...]:
+    with (BUNDLE / name).open(encoding="utf-8") as f:
+        return tuple(json.loads(line) for line in f)
 
 
 @cache
@@ -244,3 +253,116 @@ def test_quickstart_recipe_points_at_the_bundled_files():
         for m in conversations(name)
     )
     assert longest <= recipe.data.max_seq_len, "a conversation would be truncated"
+
+
+# --------------------------------------------------------------------------------------------------
+# Preference pairs (recipes/quickstart-dpo.yaml)
+
+PAIR_FILES = ("pairs_train.jsonl", "pairs_eval.jsonl")
+
+
+def _anagram(a: str, b: str) -> bool:
+    return sorted(a) == sorted(b)
+
+
+def _neighbour(a: str, b: str) -> bool:
+    return a.isdigit() and b.isdigit() and abs(int(a) - int(b)) == 1
+
+
+# What a wrong answer of the same game looks like, given the question's groups, the right answer and
+# the wrong one (both already cased): the same letters in another order, one off, the other number...
+MISTAKES: dict[str, object] = {
+    r"reverse (\w+)": lambda groups, right, wrong: _anagram(right, wrong),
+    r"spell (\w+) backwards": lambda groups, right, wrong: _anagram(right, wrong),
+    r"uppercase (\w+)": lambda groups, right, wrong: _anagram(right, wrong),
+    r"sort the letters of (\w+)": lambda groups, right, wrong: _anagram(right, wrong),
+    r"sort the digits (\d+)": lambda groups, right, wrong: (
+        _anagram(right, wrong) or (len(set(right)) == 1 and wrong == right[1:])),
+    r"how many letters are in (\w+)\?": lambda groups, right, wrong: _neighbour(right, wrong),
+    r"first letter of (\w+)\?": lambda groups, right, wrong: wrong.lower() in groups[0],
+    r"last letter of (\w+)\?": lambda groups, right, wrong: wrong.lower() in groups[0],
+    r"say (\w+) (\d) times": lambda groups, right, wrong: (
+        set(wrong.split()) == set(right.split()) and 1 <= len(wrong.split()) <= 4),
+    r"what comes after ([a-y])\?": lambda groups, right, wrong: (
+        wrong.lower() == (chr(ord(groups[0]) - 1) if groups[0] != "a" else "a")),
+    r"which is bigger, (\d+) or (\d+)\?": lambda groups, right, wrong: wrong == str(min(map(int, groups))),
+    r"what is (\d) \+ (\d)\?": lambda groups, right, wrong: _neighbour(right, wrong),
+}
+
+
+def test_every_question_kind_has_a_kind_of_mistake():
+    assert list(MISTAKES) == [pattern for pattern, _ in RULES]
+
+
+@pytest.mark.parametrize("name", PAIR_FILES)
+def test_pairs_have_the_promised_shape(name: str):
+    for number, pair in enumerate(pairs(name), 1):
+        assert sorted(pair) == ["chosen", "prompt", "rejected"], f"{name}:{number}"
+        roles = [m["role"] for m in pair["prompt"]]
+        roles = roles[1:] if roles[0] == "system" else roles
+        # A multi-turn prompt: at least one question answered before the one the pair answers.
+        assert roles == ["user", "assistant"] * (len(roles) // 2) + ["user"], f"{name}:{number}: {roles}"
+        assert 1 <= len(roles) // 2 <= 3, f"{name}:{number}"
+        for side in ("chosen", "rejected"):
+            (message,) = pair[side]
+            assert message["role"] == "assistant" and message["content"] == message["content"].strip()
+        assert pair["chosen"][0]["content"] != pair["rejected"][0]["content"], f"{name}:{number}"
+
+
+@pytest.mark.parametrize("name", PAIR_FILES)
+def test_chosen_is_right_and_rejected_a_wrong_answer_of_the_same_game(name: str):
+    kinds = set()
+    for number, pair in enumerate(pairs(name), 1):
+        messages = pair["prompt"]
+        capitals = messages[0]["role"] == "system" and messages[0]["content"] == "Answer in capital letters."
+        turns = [m for m in messages if m["role"] != "system"]
+        first_question, question = turns[0]["content"], turns[-1]["content"]
+        for earlier, answer in zip(turns[:-1:2], turns[1::2]):  # the prompt's turns are answered right
+            expected = expected_answer(earlier["content"], first_question)
+            assert answer["content"] == (expected.upper() if capitals else expected), f"{name}:{number}"
+        right = expected_answer(question, first_question)
+        right = right.upper() if capitals else right
+        chosen, rejected = pair["chosen"][0]["content"], pair["rejected"][0]["content"]
+        assert chosen == right, f"{name}:{number}: {question!r}"
+        assert rejected != right and rejected == (rejected.upper() if capitals else rejected), f"{name}:{number}"
+        if MEMORY.fullmatch(question):
+            kinds.add("memory")
+            assert rejected.lower() in load_script().WORDS and rejected.lower() != right.lower()
+            continue
+        pattern, match = next((p, re.fullmatch(p, question)) for p, _ in RULES if re.fullmatch(p, question))
+        kinds.add(pattern)
+        assert MISTAKES[pattern](match.groups(), right, rejected), f"{name}:{number}: {question!r} -> {rejected!r}"
+    assert kinds == {p for p, _ in RULES} | {"memory"}, f"{name}: a game without pairs"
+
+
+def test_pairs_come_from_the_conversations_of_their_split():
+    """A pair is a bundled conversation with its last answer in question: the held-out pairs are
+    held-out conversations, which neither the quick start nor the DPO example trains on."""
+    key = lambda messages: json.dumps(messages, sort_keys=True)  # noqa: E731
+    for pair_file, conversation_file in (("pairs_train.jsonl", "train.jsonl"), ("pairs_eval.jsonl", "eval.jsonl")):
+        made = [key([*p["prompt"], *p["chosen"]]) for p in pairs(pair_file)]
+        assert len(set(made)) == len(made)
+        assert set(made) <= {key(list(m)) for m in conversations(conversation_file)}, pair_file
+    prompts = [{key(p["prompt"]) for p in pairs(name)} for name in PAIR_FILES]
+    assert not prompts[0] & prompts[1]
+    assert 500 <= len(pairs("pairs_train.jsonl")) <= 2000 and len(pairs("pairs_eval.jsonl")) == len(conversations("eval.jsonl"))
+
+
+def test_dpo_recipe_points_at_the_bundled_pairs_and_every_pair_fits():
+    from ligertune.data.preference import PreferencePair, tokenize_preference
+    from ligertune.recipe import load_recipe
+
+    recipe = load_recipe(ROOT / "recipes" / "quickstart-dpo.yaml")
+    assert recipe.objective.name == "dpo" and recipe.data.format == "paired"
+    assert Path(recipe.data.path) == BUNDLE / "pairs_train.jsonl"
+    assert Path(recipe.data.eval_path) == BUNDLE / "pairs_eval.jsonl"
+    assert recipe.model.name_or_path == "runs/quickstart/final"
+    quickstart = load_recipe(ROOT / "recipes" / "quickstart.yaml")
+    assert Path(recipe.model.name_or_path) == Path(quickstart.output.dir) / "final"
+    tok = tokenizer()
+    longest = max(
+        len(tokenize_preference(tok, PreferencePair(p["prompt"], p["chosen"], p["rejected"])))
+        for name in PAIR_FILES
+        for p in pairs(name)
+    )
+    assert longest <= recipe.data.max_seq_len, "a pair would be dropped"

@@ -42,3 +42,17 @@ def write_recipe(folder: Path, n_train: int = 48, n_eval: int = 8, **sections) -
     path = folder / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
     return path
+
+
+def save_tiny_model(folder: Path, seed: int = 0) -> Path:
+    """A tiny random llama and the quick-start tokenizer in `folder`, as a run leaves its `final/`:
+    a stand-in for the quick start's model, for a recipe that starts from it (quickstart-dpo)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(QUICKSTART / "tokenizer"))
+    config = AutoConfig.for_model(**TINY_MODEL, vocab_size=len(tokenizer), tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

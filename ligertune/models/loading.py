@@ -335,8 +335,25 @@ def _check_source(source: str, key: str) -> str | None:
             raise UserError(f"{key}: {source} is a file; expected a directory (or a hub id)")
         return None
     if hub.meant_as_path(source):
-        raise UserError(f"{key}: no such folder: {source}")
+        raise UserError(f"{key}: no such folder: {source}{_unfinished_run(path)}")
     return hub.offline_reason()
+
+
+def _unfinished_run(path: Path) -> str:
+    """For a missing `RUN/final` (the model a finished run leaves): the run to train first, named by
+    its command when a bundled recipe writes RUN (`runs/quickstart/final`: the quick start)."""
+    if path.name != "final":
+        return ""
+    from ligertune.recipe.catalogue import bundled_recipe_writing
+
+    recipe = bundled_recipe_writing(path.parent)
+    if recipe is None:
+        return f" (the model a run writing to {path.parent} leaves when it finishes: train that run first)"
+    try:
+        shown = recipe.relative_to(Path.cwd())
+    except ValueError:
+        shown = recipe
+    return f" (the model `ligertune train {shown}` leaves: run that first)"
 
 
 def _raise_offline(source: str, key: str, offline: str | None) -> None:

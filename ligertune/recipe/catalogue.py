@@ -60,6 +60,23 @@ def recipe_description(path: Path) -> str:
     return ""
 
 
+def bundled_recipe_writing(folder: Path) -> Path | None:
+    """The bundled recipe whose `output.dir` is `folder` (both relative to the current directory, as
+    a recipe's `output.dir` is), or None: which recipe to train to make a model that another bundled
+    recipe starts from (`quickstart-dpo` starts from `runs/quickstart/final`)."""
+    target = folder.expanduser().absolute()
+    for path in bundled_recipes().values():
+        try:
+            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError):
+            continue
+        output = raw.get("output") if isinstance(raw, dict) else None
+        written = output.get("dir") if isinstance(output, dict) else None
+        if isinstance(written, str) and Path(written).expanduser().absolute() == target:
+            return path
+    return None
+
+
 # --------------------------------------------------------------------------------------------------
 # The reference
 

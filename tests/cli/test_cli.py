@@ -6,11 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
-from tiny_recipe import write_recipe
+import yaml
+from tiny_recipe import save_tiny_model, write_recipe
 from typer.testing import CliRunner
 
 from ligertune.cli.main import app
 from ligertune.recipe import bundled_recipes
+from ligertune.recipe.catalogue import bundled_recipe_writing
 
 runner = CliRunner()
 
@@ -149,8 +151,19 @@ def test_env_reports_versions_and_kernel_path(monkeypatch):
 
 
 @pytest.mark.parametrize("name", sorted(bundled_recipes()))
-def test_every_bundled_recipe_validates(name: str):
+def test_every_bundled_recipe_validates(name: str, tmp_path: Path, monkeypatch):
+    """From a fresh folder, as on a clean clone: a recipe that starts from another's run
+    (quickstart-dpo from runs/quickstart/final) finds a tiny stand-in there; without one, the error
+    names the command that makes it."""
     path = bundled_recipes()[name]
+    monkeypatch.chdir(tmp_path)  # output.dir, and a model of an earlier run, are relative to here
+    model = (yaml.safe_load(path.read_text()).get("model") or {}).get("name_or_path")
+    if model is not None and Path(model).name == "final":
+        maker = bundled_recipe_writing(Path(model).parent)
+        assert maker is not None, f"{name} starts from {model}, which no bundled recipe writes"
+        assert_user_error(invoke("validate", path), f"no such folder: {model}",
+                          f"(the model `ligertune train {maker}` leaves: run that first)")
+        save_tiny_model(tmp_path / model)
     result = invoke("validate", path)
     assert result.exit_code == 0, result.output + result.stderr
     # It opens with its exact command and an override example.

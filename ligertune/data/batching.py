@@ -148,8 +148,10 @@ class PreferenceBatch:
 
     Per answer ([A]): `answer_unit`, the unit it belongs to (a pair's index in the batch, or a KTO
     example's); `answer_chosen` (bool), for a pair whether it is the chosen answer (a pair's answers
-    are chosen then rejected), for a KTO example its label (desirable); `answer_tokens`, how many of
-    its tokens are scored. `kto` says which of the two the batch holds.
+    are chosen then rejected), for a KTO example's completion its label (desirable), False for its
+    mismatched completion; `answer_mismatched` (bool), True for a KTO example's mismatched completion
+    (its second answer: another example's, scored for the KL estimate), False everywhere else;
+    `answer_tokens`, how many of its tokens are scored. `kto` says which of the two the batch holds.
 
     `to(device)` moves every tensor but the attention boundaries (`cu_seqlens_q`, `cu_seqlens_k`,
     `key_index`), which stay on the host to be checked there and copied over without the host
@@ -168,11 +170,15 @@ class PreferenceBatch:
     score_answers: torch.Tensor
     answer_unit: torch.Tensor
     answer_chosen: torch.Tensor
+    answer_mismatched: torch.Tensor
     answer_tokens: torch.Tensor
     kto: bool
     reference_logps: torch.Tensor | None = None
     """[A] float32: the reference model's sum of log p of each answer (`PreferencePack.reference_logps`
     of every pack, laid end to end), or None when a pack has none (reference-free losses)."""
+    kl_estimate: torch.Tensor | None = None
+    """KTO: the step's reference point z0, a scalar on the device, set by the objective before the
+    step's first forward (`Preference.prepare_step`); None until then, and for pairs."""
 
     @property
     def answer_pair(self) -> torch.Tensor:
@@ -224,6 +230,7 @@ def collate_preferences(packs: Sequence[PreferencePack]) -> PreferenceBatch:
     answers: list[int] = []
     answer_unit: list[int] = []
     answer_chosen: list[bool] = []
+    answer_mismatched: list[bool] = []
     units = 0
     for p in packs:
         row0, answer0 = len(input_ids), len(answer_unit)
@@ -236,8 +243,10 @@ def collate_preferences(packs: Sequence[PreferencePack]) -> PreferenceBatch:
         targets += p.score_targets
         answers += [answer0 + a for a in p.score_answers]
         for u, lens in enumerate(p.answer_lens):
+            later = len(lens) - 1  # a pair's rejected answer, a KTO example's mismatched completion
             answer_unit += [units + u] * len(lens)
-            answer_chosen += [p.desirable[u]] if kto else [a == 0 for a in range(len(lens))]
+            answer_chosen += [p.desirable[u] if kto else True] + [False] * later
+            answer_mismatched += [False] + [kto] * later
         units += len(p.answer_lens)
         input_ids += p.input_ids
         position_ids += p.position_ids
@@ -268,6 +277,7 @@ def collate_preferences(packs: Sequence[PreferencePack]) -> PreferenceBatch:
         score_answers=score_answers,
         answer_unit=ints(answer_unit),
         answer_chosen=torch.tensor(answer_chosen, dtype=torch.bool),
+        answer_mismatched=torch.tensor(answer_mismatched, dtype=torch.bool),
         answer_tokens=torch.bincount(score_answers, minlength=len(answer_unit)),
         kto=kto,
         reference_logps=reference,

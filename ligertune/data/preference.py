@@ -19,12 +19,15 @@ conversations (UltraFeedback-binarized writes the first user turn there) is not 
 A record becomes a *unit* that packs whole, rendered with the tokenizer's own chat template:
 
     pair:  prompt tokens once, then the chosen answer's tokens, then the rejected answer's tokens
-    KTO:   prompt tokens, then the completion's tokens
+    KTO:   prompt tokens once, then the completion's tokens, then the mismatched completion's: another
+           example's completion after this prompt (`mismatch_completions`), scored for KTO's KL
+           estimate z0 and never trained; laid out as a pair's rejected answer
+    KTO without a mismatched completion (a record read alone): prompt tokens, then the completion's
 
 Each `prompt + answer` is exactly `chat.tokenize_conversation(prompt + answer)`: the conversation is
 rendered and tokenized whole, and the unit's prompt is the longest run of tokens that both renderings
-(for a pair) or the rendering and the prompt's own rendering with the generation prompt (for KTO)
-begin with, ending before the first scored token. So a template that merges characters across the
+(for two answers) or the rendering and the prompt's own rendering with the generation prompt (for
+one) begin with, ending before the first scored token. So a template that merges characters across the
 prompt/answer boundary, or answers that open with the same words, cost nothing in exactness: what
 is not shared is repeated in each answer, unscored. An answer's scored tokens are exactly those
 supervised fine-tuning trains for its assistant turns (`train_on: assistant`): each turn's content
@@ -60,6 +63,7 @@ score an answer to a different question.
 from __future__ import annotations
 
 import dataclasses
+import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence, Union
 
@@ -113,16 +117,18 @@ class PreferencePair:
 
 @dataclass
 class UnpairedPreference:
-    """A prompt, one answer, and whether the answer is desirable (KTO's `label`)."""
+    """A prompt, one answer, and whether the answer is desirable (KTO's `label`); `mismatched`, once
+    `mismatch_completions` has given it one, is another record's completion, the second answer."""
 
     prompt: list[Message]
     completion: list[Message]
     desirable: bool
     origin: str = ""
+    mismatched: list[Message] | None = None
 
     @property
     def answers(self) -> list[list[Message]]:
-        return [self.completion]
+        return [self.completion] if self.mismatched is None else [self.completion, self.mismatched]
 
 
 PreferenceRecord = Union[PreferencePair, UnpairedPreference]
@@ -157,6 +163,25 @@ def unpair(pairs: Iterable[PreferencePair]) -> list[UnpairedPreference]:
     for pair in pairs:
         out.append(UnpairedPreference(pair.prompt, pair.chosen, True, pair.origin))
         out.append(UnpairedPreference(pair.prompt, pair.rejected, False, pair.origin))
+    return out
+
+
+def mismatch_completions(records: Sequence[UnpairedPreference], rng: random.Random) -> list[UnpairedPreference]:
+    """Each record with the completion of another as its `mismatched` completion (KTO's KL estimate
+    scores log pi(y_j | x_i) - log pi_ref(y_j | x_i) over such mismatched pairs).
+
+    The records are put in an order shuffled by `rng`, and each takes the completion of the one after
+    it (the last, of the first): one cycle through all of them, so never a record's own completion,
+    and every completion serves once. Needs at least 2 records.
+    """
+    if len(records) < 2:
+        raise ValueError(f"mismatched completions need at least 2 records; got {len(records)}")
+    order = list(range(len(records)))
+    rng.shuffle(order)
+    out = list(records)
+    for k, i in enumerate(order):
+        after = records[order[(k + 1) % len(order)]]
+        out[i] = dataclasses.replace(records[i], mismatched=after.completion)
     return out
 
 
@@ -370,7 +395,8 @@ class PreferenceExample(PreferenceUnit):
 
 @dataclass(kw_only=True)
 class KTOExample(PreferenceUnit):
-    """A prompt and one completion, and whether the completion is desirable."""
+    """A prompt and one completion, and whether the completion is desirable. Answer 1, when there is
+    one, is the mismatched completion (another example's): scored for the KL estimate, never trained."""
 
     desirable: bool
 
@@ -408,28 +434,27 @@ def tokenize_preference(tokenizer: Any, record: PreferenceRecord) -> PreferenceE
     n = len(record.prompt)
     rendered = [render_scored(tokenizer, record.prompt + answer, n) for answer in record.answers]
     firsts = [_first_scored(labels) for _, labels in rendered]
-    if isinstance(record, PreferencePair):
-        (chosen_ids, chosen_labels), (rejected_ids, rejected_labels) = rendered
-        shared = _common_prefix(chosen_ids, rejected_ids)
+    if len(rendered) == 2:
+        shared = _common_prefix(rendered[0][0], rendered[1][0])
     else:
-        (ids, labels), = rendered
+        (ids, _), = rendered
         try:
             prompt_ids, _ = encode(tokenizer, render(tokenizer, record.prompt, add_generation_prompt=True))
             shared = _common_prefix(ids, prompt_ids)
         except ConversationError:  # a template that refuses a generation prompt after this prompt
             shared = len(ids)
     p = min([shared, *(f for f in firsts if f is not None)])
-    if isinstance(record, UnpairedPreference):
-        return KTOExample(input_ids=ids, labels=[IGNORE_INDEX] * p + labels[p:], prompt_len=p,
-                          answer_lens=(len(ids) - p,), desirable=record.desirable)
-    if p == 0:
+    if len(rendered) == 2 and p == 0:
         raise ConversationError("the chat template renders the prompt differently before the two answers "
                                 "(the renderings share no first token)")
-    return PreferenceExample(
-        input_ids=chosen_ids + rejected_ids[p:],
-        labels=[IGNORE_INDEX] * p + chosen_labels[p:] + rejected_labels[p:],
-        prompt_len=p, answer_lens=(len(chosen_ids) - p, len(rejected_ids) - p),
-    )
+    layout = {
+        "input_ids": rendered[0][0][:p] + [t for ids, _ in rendered for t in ids[p:]],
+        "labels": [IGNORE_INDEX] * p + [label for _, labels in rendered for label in labels[p:]],
+        "prompt_len": p, "answer_lens": tuple(len(ids) - p for ids, _ in rendered),
+    }
+    if isinstance(record, UnpairedPreference):
+        return KTOExample(**layout, desirable=record.desirable)
+    return PreferenceExample(**layout)
 
 
 def _first_scored(labels: Sequence[int]) -> int | None:
@@ -552,20 +577,32 @@ def tokenize_preferences(
 
 def load_preferences(path: str, tokenizer: Any, *, max_seq_len: int, fmt: str = "auto", split: str = "train",
                      on_bad_record: str = "error", source: int = 0,
-                     check_format: Callable[[str], None] | None = None) -> PreparedPreferences:
+                     check_format: Callable[[str], None] | None = None, kto: bool = False,
+                     seed: int = 0) -> PreparedPreferences:
     """Read one source and tokenize it: `read_preferences` then `tokenize_preferences`.
 
     `check_format(fmt)`, when given, sees the source's format (detected from its first record under
     `fmt="auto"`) once it is read, before any record is tokenized: the trainer refuses there a format
     its objective cannot read (`recipe.check_objective_data`).
+    `kto=True` makes every record a KTO example (a pair gives two: `unpair`) with a mismatched
+    completion, another example's, from a permutation of the source drawn from `seed`
+    (`mismatch_completions`); a source of fewer than 2 examples raises `DataError` naming it.
     A source that gives no unit at all raises `DataError` naming it and what became of its records.
     """
     read = read_preferences(path, fmt=fmt, split=split, on_bad_record=on_bad_record)
     if check_format is not None and read.format is not None:
         check_format(read.format)
+    records = read.records
+    if kto:
+        records = [u for r in records for u in (unpair([r]) if isinstance(r, PreferencePair) else [r])]
+        if len(records) == 1:  # none: reported below as a source with no unit
+            raise DataError(f"{path}: KTO needs at least 2 examples (each is scored beside another's "
+                            "completion, for the KL estimate z0); it has 1")
+        if records:
+            records = mismatch_completions(records, random.Random(f"ligertune-data:{seed}:mismatch:{source}"))
     stats = PreferenceStats(records=read.read, bad_records=len(read.bad),
                             bad_record_examples=read.bad[:BAD_RECORD_EXAMPLES])
-    prepared = tokenize_preferences(read.records, tokenizer, max_seq_len=max_seq_len,
+    prepared = tokenize_preferences(records, tokenizer, max_seq_len=max_seq_len,
                                     on_bad_record=on_bad_record, stats=stats)
     for unit in prepared.units:
         unit.source = source

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import random
 import sys
 import types
 from pathlib import Path
@@ -40,7 +41,7 @@ from ligertune.data import (
 from ligertune.data import preference as preference_module
 from ligertune.data.chat import render
 from ligertune.data.formats import RecordError, detect_format, detect_preference_format
-from ligertune.data.preference import make_preference_pack
+from ligertune.data.preference import make_preference_pack, mismatch_completions
 from ligertune.errors import DataError
 
 QUICKSTART_TOKENIZER = Path(__file__).resolve().parents[2] / "recipes" / "quickstart" / "tokenizer"
@@ -196,6 +197,57 @@ def test_kto_unit_is_its_conversation_with_the_completion_scored(tokenizers, nam
     assert unit.prompt_len + unit.completion_len == len(unit)
     assert unit.labels[: unit.prompt_len] == [IGNORE_INDEX] * unit.prompt_len
     assert scored_text(tokenizer, unit, 0) == SCORED.get(name, "{}<|im_end|>").format(REJECTED)
+
+
+@pytest.mark.parametrize("name", ["quickstart", "llama3/bytelevel", "mistral/bytelevel"])
+def test_kto_unit_with_a_mismatched_completion_is_laid_out_as_a_pair(tokenizers, name):
+    """prompt + completion + mismatched completion: each answer after the prompt is its own
+    conversation, token for token; positions continue from the prompt for both."""
+    tokenizer = tokenizers(name)
+    record = UnpairedPreference(PROMPT, [assistant(CHOSEN)], desirable=True, mismatched=[assistant(REJECTED)])
+    unit = tokenize_preference(tokenizer, record)
+    p = unit.prompt_len
+    assert isinstance(unit, KTOExample) and unit.desirable is True and len(unit.answer_lens) == 2
+    for answer, (start, end) in zip(record.answers, unit.answer_spans):
+        alone = tokenize_conversation(tokenizer, PROMPT + answer, train_on="last_assistant")
+        assert unit.input_ids[:p] + unit.input_ids[start:end] == alone.input_ids
+        assert [IGNORE_INDEX] * p + unit.labels[start:end] == alone.labels
+    completion, mismatched = unit.answer_lens
+    assert unit.position_ids == [*range(p), *range(p, p + completion), *range(p, p + mismatched)]
+    assert scored_text(tokenizer, unit, 1) == SCORED.get(name, "{}<|im_end|>").format(REJECTED)
+
+
+def test_mismatched_completions_are_another_records_each_used_once():
+    records = [UnpairedPreference([user(f"q{i}")], [assistant(f"a{i}")], i % 2 == 0) for i in range(7)]
+    mismatched = mismatch_completions(records, random.Random("seed"))
+    assert [r.completion for r in mismatched] == [r.completion for r in records]
+    assert all(r.mismatched != r.completion for r in mismatched)
+    assert sorted(r.mismatched[0]["content"] for r in mismatched) == [f"a{i}" for i in range(7)]
+    assert mismatched == mismatch_completions(records, random.Random("seed"))  # fixed by the seed
+    assert mismatched != mismatch_completions(records, random.Random("another seed"))
+    two = mismatch_completions(records[:2], random.Random(0))
+    assert [r.mismatched for r in two] == [records[1].completion, records[0].completion]
+    with pytest.raises(ValueError, match="at least 2"):
+        mismatch_completions(records[:1], random.Random(0))
+
+
+def test_kto_loading_unpairs_pairs_and_gives_each_example_a_mismatched_completion(tmp_path, chatml):
+    path = write_jsonl(tmp_path / "prefs.jsonl", [pair_record(i) for i in range(3)])
+    units = load_preferences(str(path), chatml, max_seq_len=4096, kto=True, seed=5).units
+    assert [u.desirable for u in units] == [True, False] * 3
+    assert all(isinstance(u, KTOExample) and len(u.answer_lens) == 2 for u in units)
+    completions = sorted(tuple(u.input_ids[slice(*u.answer_spans[0])]) for u in units)
+    mismatched = sorted(tuple(u.input_ids[slice(*u.answer_spans[1])]) for u in units)
+    assert mismatched == completions  # every completion serves once as another example's
+    again = load_preferences(str(path), chatml, max_seq_len=4096, kto=True, seed=5).units
+    assert [u.input_ids for u in again] == [u.input_ids for u in units]
+
+
+def test_kto_refuses_a_file_of_one_example(tmp_path, chatml):
+    path = write_jsonl(tmp_path / "one.jsonl", [GOOD["unpaired"]])
+    with pytest.raises(DataError, match=r"one.jsonl: KTO needs at least 2 examples .*; it has 1$"):
+        load_preferences(str(path), chatml, max_seq_len=256, kto=True)
+    assert len(load_preferences(str(path), chatml, max_seq_len=256).units) == 1  # read alone, it is one unit
 
 
 def test_unpair_makes_two_kto_records():
@@ -520,12 +572,15 @@ class TinyLM(torch.nn.Module):
 
 
 @pytest.mark.parametrize("name", ["quickstart", "mistral/bytelevel", "gemma/metaspace"])
-@pytest.mark.parametrize("kto", [False, True], ids=["pairs", "kto"])
-def test_packed_log_prob_sums_equal_each_answer_scored_alone(tokenizers, name, kto):
+@pytest.mark.parametrize("kto, mismatched", [(False, False), (True, False), (True, True)],
+                         ids=["pairs", "kto", "kto-mismatched"])
+def test_packed_log_prob_sums_equal_each_answer_scored_alone(tokenizers, name, kto, mismatched):
     tokenizer = tokenizers(name)
     records = [preference_module.normalize_preference(pair_record(i), "paired") for i in range(9)]
     if kto:
         records = unpair(records)
+    if mismatched:
+        records = mismatch_completions(records, random.Random(0))
     units = tokenize_preferences(records, tokenizer, max_seq_len=4096).units
     torch.manual_seed(0)
     model = TinyLM(len(tokenizer)).double()
@@ -539,7 +594,7 @@ def test_packed_log_prob_sums_equal_each_answer_scored_alone(tokenizers, name, k
             scored = [logp[i - 1, t] for i, t in enumerate(alone.labels) if t != IGNORE_INDEX]
             expected.append(sum(scored).item())
 
-    per_unit = 1 if kto else 2
+    per_unit = 1 if kto and not mismatched else 2
     got = [None] * len(expected)
     packs = pack_preferences(units, 3 * max(len(u) for u in units))
     assert any(len(p.seq_lens) > 1 for p in packs)

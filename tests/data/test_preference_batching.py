@@ -31,9 +31,11 @@ def pair(base: int, p: int, c: int, r: int, unscored: int = 0) -> PreferenceExam
     return PreferenceExample(input_ids=ids, labels=labels, prompt_len=p, answer_lens=(c, r))
 
 
-def kto(base: int, p: int, n: int, desirable: bool) -> KTOExample:
-    ids = [base + i for i in range(p + n)]
-    return KTOExample(input_ids=ids, labels=[_] * p + ids[p:], prompt_len=p, answer_lens=(n,),
+def kto(base: int, p: int, n: int, desirable: bool, mismatched: int = 0) -> KTOExample:
+    """A KTO example: prompt p, completion n tokens, and a mismatched completion of `mismatched`."""
+    lens = (n, mismatched) if mismatched else (n,)
+    ids = [base + i for i in range(p + sum(lens))]
+    return KTOExample(input_ids=ids, labels=[_] * p + ids[p:], prompt_len=p, answer_lens=lens,
                       desirable=desirable)
 
 
@@ -90,6 +92,7 @@ def test_pair_packs_are_laid_end_to_end_with_every_index_offset(groups):
     assert batch.num_units == len(units) and batch.num_answers == 2 * len(units)
     assert batch.answer_unit.tolist() == [u for u in range(len(units)) for _ in range(2)]
     assert batch.answer_chosen.tolist() == [True, False] * len(units)
+    assert not batch.answer_mismatched.any()
     assert batch.answer_tokens.tolist() == [n for u in units for n in u.scored_tokens()]
 
 
@@ -105,6 +108,25 @@ def test_kto_packs_carry_each_label():
                       total)
     assert torch.equal(mask, torch.block_diag(*[p.attention_mask() for p in packs]))
     assert batch.key_index.tolist() == list(range(total))  # KTO units are plain causal segments
+
+
+def test_kto_packs_with_mismatched_completions_mark_them():
+    """A KTO example's second answer is its mismatched completion: never desirable, always marked,
+    attending to the prompt and itself as a pair's rejected answer does."""
+    units = [kto(100, 3, 2, True, mismatched=3), kto(200, 2, 4, False, mismatched=1),
+             kto(300, 1, 1, True, mismatched=2)]
+    packs = [make_preference_pack(units, [1]), make_preference_pack(units, [2, 0])]
+    batch = collate_preferences(packs)
+    assert batch.kto
+    assert batch.answer_unit.tolist() == [0, 0, 1, 1, 2, 2]
+    assert batch.answer_chosen.tolist() == [False, False, True, False, True, False]
+    assert batch.answer_mismatched.tolist() == [False, True] * 3
+    assert batch.answer_tokens.tolist() == [4, 1, 1, 2, 2, 3]
+    mask = dense_mask(batch.cu_seqlens_q.tolist(), batch.cu_seqlens_k.tolist(), batch.key_index.tolist(),
+                      batch.num_tokens)
+    assert torch.equal(mask, torch.block_diag(*[p.attention_mask() for p in packs]))
+    first = packs[0].attention_mask()  # unit 1: prompt 2, completion 4, mismatched 1
+    assert first[6, :2].all() and not first[6, 2:6].any() and first[6, 6]
 
 
 def test_packs_from_pack_preferences_collate():
@@ -125,7 +147,7 @@ def test_to_keeps_the_attention_boundaries_on_the_host():
     batch = collate_preferences([make_preference_pack(PAIRS, [0, 1])])
     moved = batch.to("meta")
     moved_fields = ("input_ids", "position_ids", "score_rows", "score_answers", "answer_chosen",
-                    "answer_tokens")
+                    "answer_mismatched", "answer_tokens")
     for name in moved_fields:
         assert getattr(moved, name).device.type == "meta"
     for name in ("cu_seqlens_q", "cu_seqlens_k", "key_index"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -12,15 +13,19 @@ from rich.table import Table
 from rich.text import Text
 
 from ligertune.cli.options import JsonOpt, RecipeArg, SetOpt
+from ligertune.errors import UserError
 
 if TYPE_CHECKING:  # the data package imports torch: only when the command runs
     from ligertune.data import DataStats, OrderReport, PackingStats
+    from ligertune.data.preference import PreferenceStats, PreferenceUnit
+    from ligertune.recipe import Recipe
 
 ShowOpt = Annotated[
     int,
     typer.Option(
         "--show", min=0, metavar="N",
-        help="Also print N rendered training conversations: trained tokens bold green, the rest dimmed.",
+        help="Also print N rendered training conversations (preference recipes: pairs, the prompt once, then "
+             "each answer): trained tokens bold green, the rest dimmed.",
     ),
 ]
 
@@ -52,6 +57,10 @@ def data(recipe: RecipeArg, set_: SetOpt = None, json_: JsonOpt = False, show: S
     first epoch strays from the whole data's mix of sources and lengths, with a verdict. Nothing
     is trained.
 
+    A preference recipe (`objective.name` other than sft) reports its pairs (KTO: its examples)
+    instead: records read, dropped and kept, scored tokens and packing; --show N prints each pair's
+    prompt once, then the chosen and the rejected answer with their scored tokens marked.
+
     Example: [bold]ligertune data recipes/quickstart.yaml --show 2 --order[/]
     """
     from ligertune.data import order_report, pack, packing_stats, prepare_data, trained_segments
@@ -63,6 +72,12 @@ def data(recipe: RecipeArg, set_: SetOpt = None, json_: JsonOpt = False, show: S
     loaded = load_recipe(recipe, list(set_ or []))
     cfg = loaded.data
     tokenizer = load_tokenizer(loaded.model)
+    if loaded.objective.preference:
+        if order:
+            raise UserError("--order: measures how steps mix sources and lengths of conversations; "
+                            f"preference data (objective.name: {loaded.objective.name}) reads one source")
+        preference_report(loaded, tokenizer, json_=json_, show=show)
+        return
     prepared = prepare_data(cfg, tokenizer, seed=loaded.train.seed, show_progress=not json_)
     packs = pack(prepared.train, cfg.max_seq_len, packing=cfg.packing)
     packing = packing_stats(packs, cfg.max_seq_len)
@@ -104,6 +119,93 @@ def data(recipe: RecipeArg, set_: SetOpt = None, json_: JsonOpt = False, show: S
         console.print(verdict_line(mixing))
 
 
+def preference_report(recipe: Recipe, tokenizer, *, json_: bool, show: int) -> None:
+    """What `data` prints for a preference recipe: the units as the trainer builds them."""
+    from ligertune.data import packing_stats
+    from ligertune.training.build import build_preference_data
+
+    data = build_preference_data(recipe, tokenizer)
+    stats = data.prepared.stats
+    noun = "examples" if recipe.objective.name == "kto" else "pairs"
+    packing = packing_stats(data.train_packs, recipe.data.max_seq_len)
+    shown = [(unit.origin, unit_parts(tokenizer, unit)) for unit in data.prepared.train[:show]]
+
+    if json_:
+        report = {"data": stats.to_dict() | {f"train_{noun}": len(data.prepared.train),
+                                             f"eval_{noun}": len(data.prepared.eval)},
+                  "packing": packing.to_dict(), "warnings": data.warnings}
+        if show:
+            report[noun] = [{"origin": origin, "parts": [part.to_dict() for part in parts]}
+                            for origin, parts in shown]
+        typer.echo(json.dumps(report, indent=2))
+        return
+
+    console = Console()
+    for origin, parts in shown:
+        blocks = []
+        for part in parts:
+            scored = "" if part.name == "prompt" else f", {part.scored:,} scored"
+            block = Text()
+            block.append(f"{part.name} ({part.tokens:,} tokens{scored})\n", style="bold")
+            for text, is_scored in part.segments:
+                block.append(text, style=TRAINED_STYLE if is_scored else CONTEXT_STYLE)
+            block.rstrip()  # the template's newline after the end of turn
+            blocks.append(block)
+        body = Text("\n\n").join(blocks)
+        console.print(Panel(body, title=Text(origin), title_align="left"))  # Text: no markup in paths
+    console.print(preference_table(stats, noun, len(data.prepared.train), len(data.prepared.eval)))
+    console.print(Group(packing_table(packing, recipe.data.packing, noun), histogram_table(packing, noun)))
+    for warning in data.warnings:
+        console.print(Text(f"warning {warning}", style="yellow"))
+
+
+@dataclass
+class UnitPart:
+    """A preference unit's prompt, or one of its answers, as `ligertune data --show` prints it."""
+
+    name: str  # prompt, chosen, rejected; a KTO unit's answer: desirable or undesirable completion
+    tokens: int
+    scored: int
+    segments: list[tuple[str, bool]]  # (text, scored) runs
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "tokens": self.tokens, "scored": self.scored,
+                "segments": [{"text": text, "scored": scored} for text, scored in self.segments]}
+
+
+def unit_parts(tokenizer, unit: PreferenceUnit) -> list[UnitPart]:
+    """The prompt once, then each answer (a pair's chosen then rejected one; a KTO completion with its
+    label), each decoded in runs of scored and unscored tokens, as `trained_segments` does for SFT."""
+    from ligertune.data import TokenizedExample, trained_segments
+    from ligertune.data.preference import KTOExample
+
+    if isinstance(unit, KTOExample):
+        names = [f"{'desirable' if unit.desirable else 'undesirable'} completion"]
+    else:
+        names = ["chosen", "rejected"]
+    spans = [("prompt", 0, unit.prompt_len), *((name, s, e) for name, (s, e) in zip(names, unit.answer_spans))]
+    parts = []
+    for name, start, end in spans:
+        piece = TokenizedExample(unit.input_ids[start:end], unit.labels[start:end])
+        parts.append(UnitPart(name, len(piece), piece.trained_tokens, trained_segments(tokenizer, piece)))
+    return parts
+
+
+def preference_table(stats: PreferenceStats, noun: str, n_train: int, n_eval: int) -> Table:
+    table = Table(title=f"Preference data ({noun})", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    table.add_row("records read", f"{stats.records:,}")
+    table.add_row("bad records skipped", f"{stats.bad_records:,}")
+    for reason, count in sorted(stats.dropped.items()):
+        table.add_row(f"dropped: {reason.replace('_', ' ')}", f"{count:,}")
+    table.add_row(f"train {noun}", f"{n_train:,}")
+    table.add_row(f"eval {noun}", f"{n_eval:,}")
+    share = stats.scored_tokens / stats.total_tokens if stats.total_tokens else 0.0
+    table.add_row("scored / total tokens", f"{stats.scored_tokens:,} / {stats.total_tokens:,} ({share:.1%})")
+    return table
+
+
 def data_table(stats: DataStats) -> Table:
     table = Table(title="Data", show_header=False, title_justify="left")
     table.add_column(style="bold")
@@ -138,22 +240,23 @@ def sources_table(stats: DataStats) -> Table:
     return table
 
 
-def packing_table(packing: PackingStats, packed: bool) -> Table:
-    table = Table(title="Packing" if packed else "Packing (off: one conversation per pack)",
+def packing_table(packing: PackingStats, packed: bool, noun: str = "conversations") -> Table:
+    """`noun`: what a pack holds (conversations; pairs or examples for a preference recipe)."""
+    table = Table(title="Packing" if packed else f"Packing (off: one {noun[:-1]} per pack)",
                   show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column(justify="right")
-    table.add_row("conversations", f"{packing.conversations:,}")
+    table.add_row(noun, f"{packing.conversations:,}")
     table.add_row("packs", f"{packing.packs:,} of {packing.max_seq_len:,} tokens")
     table.add_row("real tokens / slots", f"{packing.real_tokens:,} / {packing.slots:,}")
     table.add_row("efficiency", f"{packing.efficiency:.1%}")
     return table
 
 
-def histogram_table(packing: PackingStats, width: int = 40) -> Table:
-    table = Table(title="Conversation lengths (tokens)", title_justify="left")
+def histogram_table(packing: PackingStats, noun: str = "conversations", width: int = 40) -> Table:
+    table = Table(title=f"{noun[:-1].capitalize()} lengths (tokens)", title_justify="left")
     table.add_column("length", justify="right")
-    table.add_column("conversations", justify="right")
+    table.add_column(noun, justify="right")
     table.add_column("")
     most = max((b.count for b in packing.histogram), default=0) or 1
     for bucket in packing.histogram:

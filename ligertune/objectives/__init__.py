@@ -10,18 +10,15 @@ __all__ = ["SFT", "MicroBatchLoss", "Objective", "Preference", "build_objective"
 
 def build_objective(recipe) -> Objective:
     """The recipe's objective: supervised fine-tuning on its `loss` section for `objective.name: sft`;
-    a `Preference` objective (DPO, IPO, SimPO, ORPO) on the `objective` section otherwise.
+    a `Preference` objective (DPO, IPO, SimPO, ORPO, KTO) on the `objective` section otherwise.
 
     The one place that refuses what the trainer does not run yet: `train`, `validate` and
-    `verify-loss` call it before reading any data, so the refusal is their first line. Refused: KTO
-    (the step's KL estimate z0 is not computed yet), preference training without packed attention
-    (each answer attends to its prompt through its own key range) and over several processes."""
+    `verify-loss` call it before reading any data, so the refusal is their first line. Refused:
+    preference training without packed attention (each answer attends to its prompt through its own
+    key range) and over several processes."""
     cfg = recipe.objective
     if cfg.name == "sft":
         return SFT(recipe.loss)
-    if cfg.name == "kto":
-        raise UserError("objective.name: kto is not wired into the trainer yet (its KL estimate z0); "
-                        "use dpo, ipo, simpo or orpo")
     if recipe.model.attention != "packed":
         raise UserError(f"model.attention: preference training ({cfg.name}) needs `packed` attention (each "
                         f"answer attends to its prompt through its own key range); got {recipe.model.attention}")

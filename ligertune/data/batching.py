@@ -243,10 +243,11 @@ def collate_preferences(packs: Sequence[PreferencePack]) -> PreferenceBatch:
         targets += p.score_targets
         answers += [answer0 + a for a in p.score_answers]
         for u, lens in enumerate(p.answer_lens):
-            later = len(lens) - 1  # a pair's rejected answer, a KTO example's mismatched completion
+            # Answer 0: a pair's chosen answer, a KTO example's completion (chosen if desirable);
+            # answer 1: the rejected answer, the mismatched completion.
             answer_unit += [units + u] * len(lens)
-            answer_chosen += [p.desirable[u] if kto else True] + [False] * later
-            answer_mismatched += [False] + [kto] * later
+            answer_chosen += [a == 0 and (p.desirable[u] if kto else True) for a in range(len(lens))]
+            answer_mismatched += [kto and a == 1 for a in range(len(lens))]
         units += len(p.answer_lens)
         input_ids += p.input_ids
         position_ids += p.position_ids

@@ -166,7 +166,8 @@ def unpair(pairs: Iterable[PreferencePair]) -> list[UnpairedPreference]:
     return out
 
 
-def mismatch_completions(records: Sequence[UnpairedPreference], rng: random.Random) -> list[UnpairedPreference]:
+def mismatch_completions(records: Sequence[UnpairedPreference], rng: random.Random
+                         ) -> list[UnpairedPreference]:
     """Each record with the completion of another as its `mismatched` completion (KTO's KL estimate
     scores log pi(y_j | x_i) - log pi_ref(y_j | x_i) over such mismatched pairs).
 

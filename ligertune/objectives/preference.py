@@ -25,6 +25,9 @@ of a pair, |c|, |r| their scored tokens, beta > 0:
     KTO    (Ethayarajh et al. 2024, eq. 8) per example, r = p - ref, z0 = max(KL estimate, 0), fixed:
            desirable   w_d (1 - sigmoid(beta (r - z0)))
            undesirable w_u (1 - sigmoid(beta (z0 - r)))
+           KL estimate: the mean of p - ref over the step's mismatched completions (each example's
+           prompt with another example's completion, its unit's second answer), computed without
+           gradient before the first backward (`Preference.prepare_step`)
 
 The step loss is the mean over the step's pairs (KTO: examples), every micro-batch and rank counted
 before the first backward (`step_pair_weights`), so it is one number whatever the batching, exactly
@@ -278,9 +281,9 @@ def kto_loss(
         desirable:    w_d (1 - sigmoid(beta (r - z0)))
         undesirable:  w_u (1 - sigmoid(beta (z0 - r)))
 
-    `kl_estimate` is the step's estimate of KL(policy || reference) (the paper takes it from
-    mismatched prompt/completion pairs of the batch; given here). Reward: beta r for every example,
-    desirable or not (`chosen_rewards`); `rejected_rewards` is None.
+    `kl_estimate` is the step's estimate of KL(policy || reference), from mismatched prompt/completion
+    pairs (`Preference.kl_estimate`). Reward: beta r for every example, desirable or not
+    (`chosen_rewards`); `rejected_rewards` is None.
     """
     p, ref = _math(policy, reference)
     z0 = torch.as_tensor(kl_estimate, dtype=p.dtype, device=p.device).detach().clamp(min=0.0)
@@ -362,9 +365,13 @@ class PreferenceBatch(Protocol):
         rows into the flattened L tokens, answers numbered 0 .. A-1 through the micro-batch.
     answer_pair: [A] int64, the pair (KTO: example) each answer belongs to, 0 .. P-1 in the micro-batch.
     answer_chosen: [A] bool, the chosen answer of its pair (KTO: a desirable completion).
+    answer_mismatched: [A] bool, KTO: a mismatched completion (another example's, after this
+        example's prompt), scored for the KL estimate and never trained; False for pairs.
     reference_logps: [A] float32, the reference model's sums of log p over the same scored tokens
         (None for SimPO and ORPO).
-    kl_estimate: KTO only, optional: the step's z0, a scalar (0 when absent).
+    kl_estimate: KTO: the step's z0, a scalar, set by `Preference.prepare_step` (None before).
+
+    The batch is a dataclass: `prepare_step` hands back copies that carry `kl_estimate`.
     """
 
     input_ids: torch.Tensor
@@ -375,7 +382,9 @@ class PreferenceBatch(Protocol):
     score_answers: torch.Tensor
     answer_pair: torch.Tensor
     answer_chosen: torch.Tensor
+    answer_mismatched: torch.Tensor
     reference_logps: torch.Tensor | None
+    kl_estimate: torch.Tensor | None
 
 
 class AnswerScorer(Protocol):
@@ -385,6 +394,15 @@ class AnswerScorer(Protocol):
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, score_rows: torch.Tensor,
                  score_targets: torch.Tensor, score_answers: torch.Tensor, num_answers: int,
                  **attention: Any) -> AnswerLogps: ...
+
+
+def score(engine: AnswerScorer, batch: PreferenceBatch) -> AnswerLogps:
+    """The engine's sums of log p of every answer of `batch`."""
+    attention = batch.attention() if callable(batch.attention) else batch.attention
+    # Keywords: `CausalLMLoss.forward` scores answers when given `score_rows`, in its own forward.
+    return engine(batch.input_ids, batch.position_ids, score_rows=batch.score_rows,
+                  score_targets=batch.score_targets, score_answers=batch.score_answers,
+                  num_answers=int(batch.answer_pair.numel()), **attention)
 
 
 def num_pairs(batch: PreferenceBatch) -> int:
@@ -397,8 +415,9 @@ class Preference:
 
     The step loss is the mean of the per-pair (KTO: per-example) losses over every pair of the step,
     all micro-batches and ranks (`step_pair_weights`). Reported, per pair and averaged over the step:
-    the chosen and rejected rewards, their margin and how often the chosen one is higher (KTO: the
-    mean reward of desirable and of undesirable examples), and the policy's mean log p of each side.
+    the chosen and rejected rewards, their margin and how often the chosen one is higher, and the
+    policy's token-mean log p of each side. KTO reports its reference point z0 (`kl`), the mean
+    reward of desirable and of undesirable examples and the policy's token-mean log p of each kind.
     """
 
     name = "preference"
@@ -411,13 +430,44 @@ class Preference:
         """Scores a batch's answers with the reference model when its packs carry no precomputed
         sums (`objective.reference: live`, `ligertune.objectives.reference.LiveReference`)."""
         if self.kto:
-            self.sums = ("loss", "n_pairs", "n_tokens", "n_chosen", "n_rejected", "chosen_reward",
-                         "rejected_reward", "chosen_logp", "rejected_logp")
-            self.held_out = ("loss", "reward_chosen", "reward_rejected")
+            self.sums = ("loss", "n_pairs", "n_tokens", "kl", "n_desirable", "n_undesirable",
+                         "desirable_reward", "undesirable_reward", "desirable_logp", "undesirable_logp")
+            self.held_out = ("loss", "kl", "reward_desirable", "reward_undesirable")
         else:
             self.sums = ("loss", "n_pairs", "n_tokens", "chosen_reward", "rejected_reward", "accuracy",
                          "chosen_logp", "rejected_logp")
             self.held_out = ("loss", "reward_accuracy", "reward_margin")
+
+    def prepare_step(self, engine: AnswerScorer, batches: Sequence[PreferenceBatch]) -> list[PreferenceBatch]:
+        """KTO: the step's batches carrying its reference point z0 (`kl_estimate`); the paired losses
+        need nothing of the whole step but their weights: the batches as they are."""
+        if not self.kto or not batches:
+            return list(batches)
+        z0 = self.kl_estimate(engine, batches)
+        return [dataclasses.replace(batch, kl_estimate=z0) for batch in batches]
+
+    @torch.no_grad()
+    def kl_estimate(self, engine: AnswerScorer, batches: Sequence[PreferenceBatch]) -> torch.Tensor:
+        """KTO's reference point z0 = max(0, mean over the step's mismatched completions of p - ref),
+        a float64 scalar on the batches' device.
+
+        One forward per micro-batch without gradient (the policy as the step's forwards will see
+        it); the sum and the count of the mismatched completions are added over the micro-batches
+        and all-reduced over the ranks before the mean is taken, so z0 is one number whatever the
+        batching. 0 when the step has no mismatched completion.
+        """
+        totals = torch.zeros(2, dtype=torch.float64, device=batches[0].answer_pair.device)
+        for batch in batches:
+            self.attach_reference(batch)  # a live reference scores here, once, for this and the forward
+            if batch.reference_logps is None:
+                raise ValueError("kto needs the reference model's log-probabilities (reference_logps) "
+                                 "before the step, for its KL estimate")
+            policy = score(engine, batch).logp_sum.double()
+            mismatched = batch.answer_mismatched.to(policy.device, torch.bool)
+            log_ratio = policy - batch.reference_logps.to(policy.device).double()
+            totals += torch.stack([torch.where(mismatched, log_ratio, 0.0).sum(), mismatched.sum().double()])
+        total, count = _global_sum(totals).unbind()
+        return (total / count.clamp(min=1)).clamp(min=0.0)
 
     def step_weights(self, batches: Sequence[PreferenceBatch]) -> list[torch.Tensor]:
         """Each micro-batch's per-pair (KTO: per-example) weights, 1/|P| over the whole step."""
@@ -425,15 +475,13 @@ class Preference:
         return step_pair_weights([num_pairs(b) for b in batches], device=device)
 
     def forward(self, engine: AnswerScorer, batch: PreferenceBatch, weights: torch.Tensor) -> MicroBatchLoss:
-        n_answers = int(batch.answer_pair.numel())
+        self.attach_reference(batch)
+        return self.loss(score(engine, batch), batch, weights)
+
+    def attach_reference(self, batch: PreferenceBatch) -> None:
+        """The reference's sums on the batch, scored now when its packs carry none (`reference`)."""
         if batch.reference_logps is None and self.reference is not None:
             batch.reference_logps = self.reference(batch)
-        attention = batch.attention() if callable(batch.attention) else batch.attention
-        # Keywords: `CausalLMLoss.forward` scores answers when given `score_rows`, in its own forward.
-        logps = engine(batch.input_ids, batch.position_ids, score_rows=batch.score_rows,
-                       score_targets=batch.score_targets, score_answers=batch.score_answers,
-                       num_answers=n_answers, **attention)
-        return self.loss(logps, batch, weights)
 
     def loss(self, logps: AnswerLogps, batch: PreferenceBatch, weights: torch.Tensor) -> MicroBatchLoss:
         """The micro-batch's weighted loss sum_p w_p l_p and its sums, from the policy's `logps`."""
@@ -447,19 +495,24 @@ class Preference:
         n_pairs = torch.full((), float(weights.numel()), device=policy.device)
         sums = {"n_tokens": n_tok.sum(), "n_pairs": n_pairs}
         if self.kto:
-            desirable = batch.answer_chosen.to(policy.device, torch.bool)
-            kl = getattr(batch, "kl_estimate", None)
-            out = kto_loss(policy, reference, desirable, 0.0 if kl is None else kl, beta=cfg.beta,
+            if batch.kl_estimate is None:
+                raise ValueError("kto needs the step's KL estimate z0 on the batch (Preference.prepare_step)")
+            z0 = batch.kl_estimate.to(policy.device).clamp(min=0.0)
+            # Each example is its completion; its mismatched completion is not trained (no loss, no gradient).
+            completion = ~batch.answer_mismatched.to(policy.device, torch.bool)
+            desirable = batch.answer_chosen.to(policy.device, torch.bool) & completion
+            undesirable = completion & ~desirable
+            out = kto_loss(policy, reference, desirable, z0, beta=cfg.beta,
                            desirable_weight=cfg.desirable_weight, undesirable_weight=cfg.undesirable_weight)
-            losses = out.losses
-            weights = weights.to(policy.device)[batch.answer_pair.to(policy.device)]  # one example per answer
-            undesirable = ~desirable
+            losses = torch.where(completion, out.losses, 0.0)
+            weights = weights.to(policy.device)[batch.answer_pair.to(policy.device)]  # an example's answers
             sums |= {
-                "n_chosen": desirable.sum().float(), "n_rejected": undesirable.sum().float(),
-                "chosen_reward": (out.chosen_rewards * desirable).sum().float(),
-                "rejected_reward": (out.chosen_rewards * undesirable).sum().float(),
-                "chosen_logp": (mean_logp * desirable).sum(),
-                "rejected_logp": (mean_logp * undesirable).sum(),
+                "n_tokens": (n_tok * completion).sum(), "kl": z0 * n_pairs,
+                "n_desirable": desirable.sum().float(), "n_undesirable": undesirable.sum().float(),
+                "desirable_reward": (out.chosen_rewards * desirable).sum().float(),
+                "undesirable_reward": (out.chosen_rewards * undesirable).sum().float(),
+                "desirable_logp": (mean_logp * desirable).sum(),
+                "undesirable_logp": (mean_logp * undesirable).sum(),
             }
         else:
             chosen, rejected = pair_answers(batch.answer_pair, batch.answer_chosen, weights.numel())
@@ -485,12 +538,18 @@ class Preference:
         return MicroBatchLoss(loss, {k: sums[k].float() for k in self.sums})
 
     def summarize(self, sums: dict[str, float]) -> dict[str, float]:
-        """The step's loss (already the mean over its pairs) and the per-pair means of the rest."""
+        """The step's loss (already the mean over its pairs) and the per-pair means of the rest.
+
+        KTO: `loss`; `kl`, the step's reference point z0; `reward_desirable` and
+        `reward_undesirable`, the mean reward beta (p - ref) of the desirable and of the undesirable
+        examples; `logp_desirable`, `logp_undesirable`, the policy's token-mean log p of each kind."""
         if self.kto:
-            n_d, n_u = max(sums["n_chosen"], 1), max(sums["n_rejected"], 1)
-            return {"loss": sums["loss"], "reward_chosen": sums["chosen_reward"] / n_d,
-                    "reward_rejected": sums["rejected_reward"] / n_u,
-                    "logp_chosen": sums["chosen_logp"] / n_d, "logp_rejected": sums["rejected_logp"] / n_u}
+            n, n_d, n_u = (max(sums[k], 1) for k in ("n_pairs", "n_desirable", "n_undesirable"))
+            return {"loss": sums["loss"], "kl": sums["kl"] / n,
+                    "reward_desirable": sums["desirable_reward"] / n_d,
+                    "reward_undesirable": sums["undesirable_reward"] / n_u,
+                    "logp_desirable": sums["desirable_logp"] / n_d,
+                    "logp_undesirable": sums["undesirable_logp"] / n_u}
         n = max(sums["n_pairs"], 1)
         chosen, rejected = sums["chosen_reward"] / n, sums["rejected_reward"] / n
         return {"loss": sums["loss"], "reward_chosen": chosen, "reward_rejected": rejected,

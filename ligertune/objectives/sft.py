@@ -30,6 +30,10 @@ class SFT:
     def __init__(self, cfg: LossConfig):
         self.cfg = cfg
 
+    def prepare_step(self, engine: nn.Module, batches: Sequence[Batch | PaddedBatch]
+                     ) -> list[Batch | PaddedBatch]:
+        return list(batches)  # the token weights are all the step needs
+
     def step_weights(self, batches: Sequence[Batch | PaddedBatch]) -> list[torch.Tensor]:
         return step_token_weights([b.targets for b in batches], [conversation_ids(b) for b in batches],
                                   self.cfg.normalization, ignore_index=self.cfg.ignore_index)

@@ -121,7 +121,8 @@ def build_data(recipe: Recipe, tokenizer, *, show_progress: bool = True) -> Trai
 
 def build_preference_data(recipe: Recipe, tokenizer) -> TrainingData:
     """Read, tokenize and pack the recipe's preference data (`ligertune.data.preference`): units
-    (prompt + chosen + rejected) packed whole into `data.max_seq_len`; the held-out units from
+    (prompt + chosen + rejected; KTO: prompt + completion + another example's completion, drawn from
+    `train.seed` within each file) packed whole into `data.max_seq_len`; the held-out units from
     `data.eval_path`, or `data.eval_fraction` of the units (drawn as supervised fine-tuning draws its
     held-out conversations). Each source's format is checked against the objective as soon as it is
     read. `TrainingData` keeps its shape: `prepared.train`/`.eval` are the units, its `stats` the
@@ -136,6 +137,7 @@ def build_preference_data(recipe: Recipe, tokenizer) -> TrainingData:
     def load(path: str, where: str) -> PreparedPreferences:
         return load_preferences(path, tokenizer, max_seq_len=cfg.max_seq_len, fmt=cfg.format, split=cfg.split,
                                 on_bad_record=cfg.on_bad_record,
+                                kto=recipe.objective.name == "kto", seed=recipe.train.seed,
                                 check_format=lambda fmt: check_objective_data(recipe.objective, fmt, where=where))
 
     train = load(cfg.path, cfg.path)

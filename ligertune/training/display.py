@@ -22,6 +22,9 @@ def format_metrics(record: dict) -> str:
         parts.append(f"acc {record['token_accuracy']:.1%}")
     if "reward_accuracy" in record:  # preference objectives: how often the chosen answer wins
         parts.append(f"pairs won {record['reward_accuracy']:.1%}  margin {record['reward_margin']:.3f}")
+    if "reward_desirable" in record:  # KTO: the reference point, and each kind's reward
+        parts.append(f"kl {record['kl']:.3f}  reward desirable {record['reward_desirable']:.3f} "
+                     f"undesirable {record['reward_undesirable']:.3f}")
     if record.get("z_loss"):
         parts.append(f"z {record['z_loss']:.2e}")
     if "eval_loss" in record:

@@ -6,8 +6,9 @@ weights, clipping, the spike watch, the update and the schedule.
 
 One optimizer step takes `grad_accum_steps` micro-batches of `micro_batch_size` packs each. Before
 the first backward, the objective weighs every token of the whole step (`Objective.step_weights`),
-so the step's loss and gradient are the same however the step was cut (docs/loss.md). `ligertune
-train`, `verify-loss` and `bench step` run this same step.
+after computing what else its loss needs of the whole step (`Objective.prepare_step`: KTO's
+reference point z0), so the step's loss and gradient are the same however the step was cut
+(docs/loss.md). `ligertune train`, `verify-loss` and `bench step` run this same step.
 """
 
 from __future__ import annotations
@@ -116,9 +117,11 @@ def squared_lengths(batch: Batch | PaddedBatch) -> int | torch.Tensor:
 
 
 def forward_backward(run: Run, batches: list[Batch | PaddedBatch], *, backward: bool) -> dict[str, torch.Tensor]:
-    """Forward (and backward) over the micro-batches of one step with step-level weights; the
-    objective's sums over the micro-batches, on the device (this rank's)."""
+    """Forward (and backward) over the micro-batches of one step with step-level weights (and what
+    else the objective needs of the whole step first: `Objective.prepare_step`); the objective's
+    sums over the micro-batches, on the device (this rank's)."""
     objective = run.objective
+    batches = objective.prepare_step(run.engine, batches)
     weights = objective.step_weights(batches)
     totals = {name: torch.zeros((), device=run.device) for name in objective.sums}
     for i, (batch, w) in enumerate(zip(batches, weights)):

@@ -15,7 +15,8 @@ from test_preference_attention import CASES, alone_logprobs, conversations, floa
 from ligertune.data import collate_preferences
 from ligertune.data.preference import make_preference_pack
 from ligertune.models import CausalLMLoss
-from ligertune.objectives.preference import Preference, PreferenceConfig, dpo_loss, pair_answers
+from ligertune.numerics import relative_error
+from ligertune.objectives.preference import Preference, PreferenceConfig, dpo_loss, kto_loss, pair_answers
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "logits"])
@@ -60,6 +61,64 @@ def test_preference_forward_runs_the_engine_and_reads_the_reference():
     assert out.loss.item() == pytest.approx(want.item(), rel=1e-5)
     out.loss.backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in head.model.parameters())
+
+
+KTO_MISMATCHED_SHAPES = [(5, 4, 6), (3, 6, 2), (6, 2, 4), (2, 5, 4)]  # prompt, completion, mismatched
+KTO_SPLITS = {  # micro-batches of packs of units
+    "packed-1x4": [[[0, 1, 2, 3]]],
+    "unpacked-4x1": [[[2]], [[0]], [[3]], [[1]]],
+    "unpacked-2x2": [[[3], [1]], [[0], [2]]],
+    "packed-2x2": [[[1, 3]], [[2, 0]]],
+}
+
+
+def kto_step(head, units, reference, split, cfg):
+    """One KTO step through `Preference` (z0 first, then forward and backward per micro-batch)."""
+    head.model.zero_grad()
+    objective = Preference(cfg)
+    batches = []
+    for micro in split:
+        packs = [make_preference_pack(units, g) for g in micro]
+        for pack, g in zip(packs, micro):
+            pack.reference_logps = [x for i in g for x in reference[2 * i: 2 * i + 2].tolist()]
+        batches.append(collate_preferences(packs))
+    batches = objective.prepare_step(head, batches)
+    loss = 0.0
+    for batch, w in zip(batches, objective.step_weights(batches)):
+        out = objective.forward(head, batch, w)
+        out.loss.backward()
+        loss += out.loss.item()
+    return batches[0].kl_estimate.item(), loss, [p.grad.clone() for p in head.model.parameters()]
+
+
+def test_kto_z0_and_loss_are_the_formula_and_do_not_depend_on_the_batching():
+    """z0 = max(0, mean over the mismatched completions of p - ref) and the mean KTO loss over the
+    completions, with each answer's p from its conversation alone in float64; the same z0, loss and
+    gradients packed or one unit per pack, in 1, 2 or 4 micro-batches."""
+    units = make_units(KTO_MISMATCHED_SHAPES, kto=True)
+    expected = alone_logprobs(float64_model("llama", attention="sdpa"), conversations(units, [[0, 1, 2, 3]]))
+    policy = torch.stack([e.sum() for e in expected]).detach()  # unit order: completion, mismatched
+    offsets = torch.tensor([0.3, 0.5, -0.8, -0.2, 0.1, 0.9, -0.4, 0.2], dtype=torch.float64)
+    reference = (policy - offsets).float().double()  # the packs carry float32 values
+    completion, mismatched = slice(0, None, 2), slice(1, None, 2)
+    z0 = (policy[mismatched] - reference[mismatched]).mean()
+    assert z0.item() == pytest.approx(0.35, abs=1e-6)  # the mean of the mismatched offsets
+    cfg = PreferenceConfig(loss="kto", beta=0.5, desirable_weight=1.3, undesirable_weight=0.8)
+    desirable = torch.tensor([u.desirable for u in units])
+    want = kto_loss(policy[completion], reference[completion], desirable, z0, beta=0.5, desirable_weight=1.3,
+                    undesirable_weight=0.8).losses.mean()
+
+    head = CausalLMLoss(float64_model("llama"))
+    results = {name: kto_step(head, units, reference, split, cfg) for name, split in KTO_SPLITS.items()}
+    kl, loss, grads = results["packed-1x4"]
+    assert kl == pytest.approx(z0.item(), rel=1e-5)
+    assert loss == pytest.approx(want.item(), rel=1e-5)
+    assert all(g.abs().sum() > 0 for g in grads)
+    for name, (other_kl, other_loss, other_grads) in results.items():
+        assert other_kl == pytest.approx(kl, rel=1e-6), name
+        assert other_loss == pytest.approx(loss, rel=1e-6), name
+        for g, g0 in zip(other_grads, grads):
+            assert relative_error(g, g0) < 1e-5, name
 
 
 def test_engine_refuses_targets_beside_scores():

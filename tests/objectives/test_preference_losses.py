@@ -280,9 +280,10 @@ class ToyBatch:
     score_answers: torch.Tensor
     answer_pair: torch.Tensor
     answer_chosen: torch.Tensor
+    answer_mismatched: torch.Tensor
     reference_logps: torch.Tensor | None
     attention: dict[str, Any] = field(default_factory=dict)
-    kl_estimate: float | None = None
+    kl_estimate: torch.Tensor | None = None
 
 
 VOCAB, HIDDEN = 29, 12
@@ -310,17 +311,20 @@ class ToyScorer(nn.Module):
 
 
 def make_units(kto: bool) -> list:
+    """4 pairs, or 4 KTO examples whose second answer is the next example's completion (mismatched)."""
     gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (2 + i,), generator=gen).tolist() for i in range(4)]
+    answers = [[torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (1 + i % 3, 3 - i % 2)]
+               for i in range(4)]
+    if kto:
+        answers = [[answers[i][0], answers[(i + 1) % 4][0]] for i in range(4)]
     units = []
-    for i in range(4):
-        prompt = torch.randint(0, VOCAB, (2 + i,), generator=gen).tolist()
-        lens = (1 + i % 3,) if kto else (1 + i % 3, 3 - i % 2)
-        answers = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lens]
-        labels = [-100] * len(prompt) + [t for a in answers for t in a]
+    for i, (prompt, two) in enumerate(zip(prompts, answers)):
+        labels = [-100] * len(prompt) + [t for a in two for t in a]
         if i == 1:
             labels[len(prompt) + 1] = -100  # an unscored answer token
-        common = dict(input_ids=prompt + [t for a in answers for t in a], labels=labels,
-                      prompt_len=len(prompt), answer_lens=lens)
+        common = dict(input_ids=prompt + [t for a in two for t in a], labels=labels,
+                      prompt_len=len(prompt), answer_lens=tuple(len(a) for a in two))
         units.append(KTOExample(**common, desirable=i % 3 != 1) if kto else PreferenceExample(**common))
     return units
 
@@ -330,16 +334,17 @@ def collate_toy(units, indices, reference: torch.Tensor) -> ToyBatch:
     pack = make_preference_pack(units, indices)
     per_unit = [len(units[i].answer_lens) for i in indices]
     answer_pair = torch.arange(len(indices)).repeat_interleave(torch.tensor(per_unit))
+    second = torch.tensor([j == 1 for n in per_unit for j in range(n)])
     if pack.desirable is not None:
-        chosen = torch.tensor(pack.desirable)
+        chosen = torch.tensor([d for d, n in zip(pack.desirable, per_unit) for _ in range(n)]) & ~second
     else:
-        chosen = torch.tensor([j == 0 for n in per_unit for j in range(n)])
+        chosen = ~second
     first = [sum(len(u.answer_lens) for u in units[:i]) for i in indices]
     ref = torch.cat([reference[f:f + n] for f, n in zip(first, per_unit)])
     long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    mismatched = second & (pack.desirable is not None)
     return ToyBatch(long([pack.input_ids]), long([pack.position_ids]), long(pack.score_rows),
-                    long(pack.score_targets), long(pack.score_answers), answer_pair, chosen, ref,
-                    kl_estimate=0.3)
+                    long(pack.score_targets), long(pack.score_answers), answer_pair, chosen, mismatched, ref)
 
 
 SPLITS = {"1x4": [[0, 1, 2, 3]], "4x1": [[2], [0], [3], [1]], "2x2": [[3, 1], [0, 2]]}
@@ -347,7 +352,7 @@ SPLITS = {"1x4": [[0, 1, 2, 3]], "4x1": [[2], [0], [3], [1]], "2x2": [[3, 1], [0
 
 def run_step(objective: Preference, scorer: ToyScorer, units, split, reference):
     scorer.zero_grad()
-    batches = [collate_toy(units, idx, reference) for idx in split]
+    batches = objective.prepare_step(scorer, [collate_toy(units, idx, reference) for idx in split])
     weights = objective.step_weights(batches)
     loss, totals = 0.0, {name: 0.0 for name in objective.sums}
     for batch, w in zip(batches, weights):
@@ -381,8 +386,11 @@ def test_step_loss_and_gradient_do_not_depend_on_the_batching(loss, explicit_log
                    whole.score_answers, n_answers)
     p, n = logps.logp_sum.detach(), logps.n_tokens
     if kto:
-        expected = kto_loss(p, reference, whole.answer_chosen, 0.3, beta=0.4,
-                            undesirable_weight=1.3).losses.mean()
+        completion, mismatched = torch.arange(0, n_answers, 2), torch.arange(1, n_answers, 2)
+        z0 = (p[mismatched] - reference[mismatched]).mean()
+        assert z0 > 0.05  # not clamped: the estimate itself is what is compared
+        expected = kto_loss(p[completion], reference[completion], whole.answer_chosen[completion], z0,
+                            beta=0.4, undesirable_weight=1.3).losses.mean()
     else:
         c, r = torch.arange(0, n_answers, 2), torch.arange(1, n_answers, 2)
         expected = {
@@ -422,3 +430,85 @@ def test_reference_losses_refuse_a_batch_without_reference_logps():
     with pytest.raises(ValueError, match="reference"):
         Preference(PreferenceConfig(loss="dpo")).forward(scorer, batch, torch.ones(1))
     Preference(PreferenceConfig(loss="simpo")).forward(scorer, batch, torch.ones(1))  # reference-free
+
+
+# --------------------------------------------------------------------------------------------------
+# KTO's reference point z0, from the mismatched completions of the whole step
+
+
+def kto_step(reference, split, *, desirable_weight=1.0, undesirable_weight=1.0):
+    """One KTO step of the toy units (`split` into micro-batches): z0, the summed metrics and the
+    policy's sums with their gradient."""
+    objective = Preference(PreferenceConfig(loss="kto", beta=0.4, desirable_weight=desirable_weight,
+                                            undesirable_weight=undesirable_weight))
+    units, scorer = make_units(kto=True), ToyScorer(explicit_logits=True)
+    batches = objective.prepare_step(scorer, [collate_toy(units, idx, reference) for idx in split])
+    totals = {name: 0.0 for name in objective.sums}
+    for batch, w in zip(batches, objective.step_weights(batches)):
+        out = objective.forward(scorer, batch, w)
+        out.loss.backward()
+        for name in objective.sums:
+            totals[name] += float(out.sums[name])
+    return batches[0].kl_estimate, objective.summarize(totals)
+
+
+def oracle_sums(units) -> torch.Tensor:
+    whole = collate_toy(units, [0, 1, 2, 3], torch.zeros(8, dtype=torch.float64))
+    return ToyScorer(explicit_logits=True)(whole.input_ids, whole.position_ids, whole.score_rows,
+                                           whole.score_targets, whole.score_answers, 8).logp_sum.detach()
+
+
+def test_kto_at_policy_equal_to_reference_costs_half_of_each_weight():
+    """At the start (reference = policy) every log-ratio is 0: z0 = 0, rewards 0, and each example
+    costs w (1 - sigmoid(0)) = w / 2, so the step loss is (w_d n_d + w_u n_u) / n / 2."""
+    units = make_units(kto=True)
+    n_d = sum(u.desirable for u in units)
+    z0, metrics = kto_step(oracle_sums(units), [[0, 1], [2, 3]], desirable_weight=1.5, undesirable_weight=0.7)
+    assert z0.item() == pytest.approx(0.0, abs=1e-12)
+    assert metrics["kl"] == pytest.approx(0.0, abs=1e-12)
+    assert metrics["reward_desirable"] == pytest.approx(0.0, abs=1e-12)
+    assert metrics["reward_undesirable"] == pytest.approx(0.0, abs=1e-12)
+    assert metrics["loss"] == pytest.approx((1.5 * n_d + 0.7 * (4 - n_d)) / 4 * 0.5, rel=1e-7)  # float32 sums
+
+
+def test_kto_z0_is_the_mean_over_the_mismatched_completions_clamped_at_zero():
+    units = make_units(kto=True)
+    policy = oracle_sums(units)
+    shift = torch.tensor([0.0, 0.9, 0.0, -0.1, 0.0, 0.4, 0.0, 0.2], dtype=torch.float64)  # mismatched: odd
+    z0, metrics = kto_step(policy - shift, [[3], [1, 0], [2]])
+    assert z0.item() == pytest.approx(0.35, rel=1e-12)  # (0.9 - 0.1 + 0.4 + 0.2) / 4
+    assert metrics["kl"] == pytest.approx(0.35, rel=1e-7)  # the sums are float32
+    below, metrics = kto_step(policy + shift, [[3], [1, 0], [2]])  # the estimate is -0.35
+    assert below.item() == 0.0 and metrics["kl"] == 0.0
+
+
+def test_kto_mismatched_completions_take_no_gradient_and_z0_none():
+    units = make_units(kto=True)
+    objective = Preference(PreferenceConfig(loss="kto"))
+    batch = collate_toy(units, [0, 1, 2, 3], -torch.linspace(2.0, 9.0, 8, dtype=torch.float64))
+    batch.kl_estimate = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
+    policy = oracle_sums(units).requires_grad_()
+    out = objective.loss(AnswerLogps(policy, torch.ones(8, dtype=torch.long)), batch, torch.full((4,), 0.25))
+    out.loss.backward()
+    assert torch.equal(policy.grad[1::2], torch.zeros(4, dtype=torch.float64))
+    assert (policy.grad[0::2] != 0).all()
+    assert batch.kl_estimate.grad is None
+    assert out.sums["n_tokens"].item() == 4  # the completions' scored tokens only
+
+
+def test_kto_refuses_a_batch_without_its_z0():
+    units = make_units(kto=True)
+    batch = collate_toy(units, [0, 1], torch.zeros(8, dtype=torch.float64))
+    scorer = ToyScorer(explicit_logits=True)
+    with pytest.raises(ValueError, match="prepare_step"):
+        Preference(PreferenceConfig(loss="kto")).forward(scorer, batch, torch.ones(2))
+
+
+def test_kto_summarize_reports_z0_and_each_kind():
+    objective = Preference(PreferenceConfig(loss="kto"))
+    metrics = objective.summarize({"loss": 0.4, "n_pairs": 4, "n_tokens": 30, "kl": 0.8, "n_desirable": 3,
+                                   "n_undesirable": 1, "desirable_reward": 0.75, "undesirable_reward": -0.5,
+                                   "desirable_logp": -6.0, "undesirable_logp": -3.0})
+    assert metrics == {"loss": 0.4, "kl": 0.2, "reward_desirable": 0.25, "reward_undesirable": -0.5,
+                       "logp_desirable": -2.0, "logp_undesirable": -3.0}
+    assert set(objective.held_out) <= set(metrics)

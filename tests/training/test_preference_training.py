@@ -4,7 +4,8 @@ The chosen answer is the conversation's real last answer, the rejected one anoth
 DPO starts at policy == reference (the reference log-probabilities are the starting model's), so its
 first loss is log 2; training raises the reward accuracy on the training pairs; one step's loss and
 gradients do not depend on how the step is cut; a resumed run reads the saved reference back and
-continues as the straight run.
+continues as the straight run. KTO (unpaired answers, each with another example's completion for its
+KL estimate) starts at z0 = 0 with every example costing half its weight, and resumes bitwise.
 """
 
 from __future__ import annotations
@@ -43,9 +44,17 @@ def paired_records(n: int, offset: int = 0) -> list[dict]:
     return records
 
 
-def write_preference_recipe(folder: Path, n_train: int = 32, n_eval: int = 8, **sections) -> Path:
+def unpaired_records(n: int, offset: int = 0) -> list[dict]:
+    """`n` KTO records: the pairs' prompts, each with its chosen answer (desirable) for even records
+    and its rejected one (undesirable) for odd ones."""
+    return [{"prompt": r["prompt"], "completion": r["chosen"] if i % 2 == 0 else r["rejected"],
+             "label": i % 2 == 0} for i, r in enumerate(paired_records(n, offset))]
+
+
+def write_preference_recipe(folder: Path, n_train: int = 32, n_eval: int = 8, make_records=paired_records,
+                            **sections) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    for name, records in (("train", paired_records(n_train)), ("eval", paired_records(n_eval, offset=1000))):
+    for name, records in (("train", make_records(n_train)), ("eval", make_records(n_eval, offset=1000))):
         (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     recipe = {
         "model": {"config": dict(TINY_MODEL), "tokenizer": str(QUICKSTART / "tokenizer"), "dtype": "float32"},
@@ -121,11 +130,12 @@ def step_grads(path: Path, micro: int, accum: int) -> tuple[dict[str, float], li
         cleanup(run)
 
 
-@pytest.mark.parametrize("loss", ["dpo", "ipo", "simpo", "orpo"])
+@pytest.mark.parametrize("loss", ["dpo", "ipo", "simpo", "orpo", "kto"])
 def test_one_step_is_the_same_however_it_is_cut(tmp_path: Path, loss: str):
     """4 packs in one micro-batch, or in four: the same loss, metrics and gradients (float32 CPU).
-    After one update (lr high) the margins are not 0, so the reference matters for dpo and ipo."""
-    path = write_preference_recipe(tmp_path, objective={"name": loss}, data={"packing": False})
+    KTO reads the pairs as two examples each, and its z0 comes from the whole step either way."""
+    path = write_preference_recipe(tmp_path, n_train=4, n_eval=2, objective={"name": loss},
+                                   data={"packing": False})
     whole, whole_grads = step_grads(path, 4, 1)
     cut, cut_grads = step_grads(path, 1, 4)
     for key, value in whole.items():
@@ -197,3 +207,46 @@ def test_dpo_with_lora_starts_from_the_base_as_reference(tmp_path: Path):
     for name, p in run.model.named_parameters():
         if name in base:
             assert torch.equal(p, base[name]), name
+
+
+def test_kto_starts_at_half_of_each_weight_and_resumes_bitwise(tmp_path: Path):
+    """8 unpaired examples, one per pack, all of them in every step. At the start the policy is the
+    reference: z0 = 0, rewards 0, the loss (w_d n_d + w_u n_u) / n / 2. An interrupted run resumed
+    from its checkpoint ends with the straight run's weights and metrics, held-out z0 included."""
+    path = write_preference_recipe(
+        tmp_path, n_train=8, n_eval=2, make_records=unpaired_records,
+        objective={"name": "kto", "beta": 0.5, "desirable_weight": 1.2, "undesirable_weight": 0.9},
+        data={"format": "unpaired", "packing": False}, optim={"lr": 1e-2},
+        train={"max_steps": 4, "micro_batch_size": 4, "grad_accum_steps": 2, "eval_every": 2,
+               "save_every": 2})
+    straight = start(path, f"output.dir={tmp_path / 'straight'}")
+    assert isinstance(straight.objective, Preference) and straight.objective.kto
+    units = straight.data.prepared.train
+    assert len(units) == len(straight.data.train_packs) == 8 and all(len(u.answer_lens) == 2 for u in units)
+    n_d = sum(u.desirable for u in units)
+    at_start = (1.2 * n_d + 0.9 * (8 - n_d)) / 8 * 0.5
+    before = pack_metrics(straight, straight.data.train_packs)
+    assert before["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert before["reward_desirable"] == pytest.approx(0.0, abs=1e-6)
+    assert before["reward_undesirable"] == pytest.approx(0.0, abs=1e-6)
+    assert before["loss"] == pytest.approx(at_start, abs=1e-6)
+    finish(straight)
+    losses = train_losses(tmp_path / "straight")
+    assert losses[0] == pytest.approx(at_start, abs=1e-6) and losses[-1] < at_start
+    records = read_metrics(tmp_path / "straight" / "metrics.jsonl")
+    assert any(r.get("kl", 0) > 0 for r in records)  # the policy moved away from the reference
+    assert any("eval_kl" in r and "eval_reward_desirable" in r for r in records)
+
+    interrupted = start(path, f"output.dir={tmp_path / 'resumed'}")
+    with pytest.raises(RunInterrupted):
+        finish(interrupted, StopAt(interrupted, 2))
+    resumed = start(path, f"output.dir={tmp_path / 'resumed'}", resume="latest")
+    assert resumed.state.step == 2
+    finish(resumed)
+    for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q), name
+
+    def after(run_dir):
+        return [{k: v for k, v in r.items() if k not in TIMINGS}
+                for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] > 2 and "checkpoint" not in r]
+    assert after(tmp_path / "resumed") == after(tmp_path / "straight")

@@ -30,6 +30,9 @@ def run_memory_caps(
     """Every variant's rows (synthetic only), and per cap each variant's fastest setting that fits."""
     if not caps or any(c <= 0 for c in caps):
         raise UserError(f"--memory-cap: give one or more positive GiB figures, got {caps}")
+    if recipe.objective.preference:
+        raise UserError(f"--memory-cap: compares supervised fine-tuning steps; the recipe's objective is "
+                        f"{recipe.objective.name}")
     config = dataclasses.replace(config, chat=False)
     device, report = new_report(recipe, config, recipe_name, log)
     vocab_size = tokenizer_vocab(recipe)

@@ -1,9 +1,10 @@
 """Other libraries that `ligertune bench` measures against, imported only when asked for.
 
-Liger-Kernel (`liger-kernel`), Cut Cross-Entropy (`cut-cross-entropy`) and, for the Lion step,
-lion-pytorch (`lion-pytorch`) are optional: a peer that is not importable is reported as "not
-installed", never an error. Rows that run Triton kernels need CUDA and are reported as skipped on
-a CPU; lion-pytorch's plain and foreach optimizers run there too.
+Liger-Kernel (`liger-kernel`), Cut Cross-Entropy (`cut-cross-entropy`), for the Lion step
+lion-pytorch (`lion-pytorch`) and, for preference recipes' steps, TRL (`trl`) are optional: a peer
+that is not importable is reported as "not installed", never an error. Rows that run Triton kernels
+need CUDA and are reported as skipped on a CPU; lion-pytorch's plain and foreach optimizers run
+there too.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ PEERS = {
     "liger": ("liger-kernel", "liger_kernel"),
     "cce": ("cut-cross-entropy", "cut_cross_entropy"),
     "lion": ("lion-pytorch", "lion_pytorch"),
+    "trl": ("trl", "trl"),
 }
 """Peer key -> (distribution name, import name)."""
 

@@ -194,10 +194,23 @@ def step_header(report) -> list[str]:
             lines.append(f"base quantized: the decoder's linear layers in {m['quantization']} (QLoRA), "
                          "in every variant")
     ckpt = ", gradient checkpointing" if report.gradient_checkpointing else ""
-    lines.append(f"batch: {report.micro_batch_size} x {report.max_seq_len} tokens{ckpt}; "
-                 f"{report.warmup} warm-up + {report.steps} timed steps")
+    if report.pairs:
+        p = report.pairs
+        packed = p["prompt_len"] + 2 * p["answer_len"]
+        lines.append(f"{p['objective']}: {p['pairs']} pairs a step, each a prompt of {p['prompt_len']} tokens "
+                     f"and two answers of {p['answer_len']} ({packed} tokens packed, the prompt once; "
+                     f"{2 * (p['prompt_len'] + p['answer_len'])} as two sequences)")
+        lines.append(f"ligertune: {p['packs']} packs of at most {report.max_seq_len} tokens in "
+                     f"{p['micro_batches']} micro-batches of {report.micro_batch_size}{ckpt}; "
+                     f"{report.warmup} warm-up + {report.steps} timed steps")
+    else:
+        lines.append(f"batch: {report.micro_batch_size} x {report.max_seq_len} tokens{ckpt}; "
+                     f"{report.warmup} warm-up + {report.steps} timed steps")
     if report.kernels:
         lines.append(f"ligertune kernels: {report.kernels}")
+    references = [f"{row.name}: {row.reference}" for row in report.rows if row.reference]
+    if references:
+        lines.append("reference log-probs: " + "; ".join(references))
     rates = []
     if report.peak_tflops:
         rates.append(f"the data-sheet peak {report.peak_tflops:.0f} TFLOP/s")
@@ -214,12 +227,16 @@ def step_table(report) -> Table:
     """Synthetic rows (one step: forward, backward, optimizer) then chat rows (one pass over the
     micro-batches: forward and backward), each section compared with its ligertune row."""
     notes = [f"* {row.name}: {_status_text(row)}" for row in report.rows if row.status != "ok"]
-    table = Table(title="training step (chat rows: one pass over all micro-batches, real tokens only)",
-                  title_justify="left", title_style="bold", caption=_escape("\n".join(notes)) or None,
-                  caption_justify="left")
+    pairs = report.pairs is not None
+    title = ("preference step: pairs/s = pairs / (step ms + reference ms), the reference pass spread over "
+             "the pairs it serves" if pairs else "training step (chat rows: one pass over all micro-batches, "
+             "real tokens only)")
+    table = Table(title=title, title_justify="left", title_style="bold",
+                  caption=_escape("\n".join(notes)) or None, caption_justify="left")
     table.add_column("variant", overflow="fold", min_width=14)
     table.add_column("checkpointing", no_wrap=True)
-    for name in ("ms", "tokens/s", "peak GiB", "MFU", "MFU matmul", "speed-up"):
+    columns = ("ms", "ref ms", "pairs/s") if pairs else ("ms", "tokens/s")
+    for name in (*columns, "peak GiB", "MFU", "MFU matmul", "speed-up"):
         table.add_column(name, justify="right", no_wrap=True)
     layout = None
     for row in report.rows:
@@ -230,11 +247,13 @@ def step_table(report) -> Table:
             name = f"[{'red' if row.status == 'failed' else 'dim'}]{row.name} *[/]"
         else:
             name = f"[bold]{row.name}[/]" if row.name.startswith("ligertune") else row.name
+        rate = ([fmt(row.reference_ms, ".4g"), fmt(row.pairs_per_s, ".3g")] if pairs
+                else [fmt(row.tokens_per_s, ",.0f")])
         table.add_row(
             name,
             _escape(row.checkpointing or "-"),
             fmt(row.step_ms, ".4g"),
-            fmt(row.tokens_per_s, ",.0f"),
+            *rate,
             fmt(row.peak_mem_gib, ".2f"),
             fmt(None if row.mfu is None else 100 * row.mfu, ".1f", "%"),
             fmt(None if row.mfu_measured is None else 100 * row.mfu_measured, ".1f", "%"),

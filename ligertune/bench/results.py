@@ -99,7 +99,14 @@ class KernelReport:
 
 @dataclass
 class StepRow:
-    """One way of running the step; `tokens` are real (non-pad) tokens per timed pass."""
+    """One way of running the step; `tokens` are real (non-pad) tokens per timed pass.
+
+    Preference rows (a preference recipe) also give `pairs` per step, the time of the reference
+    pass over those pairs (`reference_ms`, None where the reference runs inside the step) and
+    `pairs_per_s` = pairs / (step_ms + reference_ms): the reference pass spread over the pairs it
+    serves. Their `tokens` are the pairs' tokens as ligertune lays them out (the prompt once), for
+    every row, peers included, so tokens/s and MFU compare as pairs/s do.
+    """
 
     name: str
     layout: str  # "synthetic" or "chat"
@@ -115,6 +122,10 @@ class StepRow:
     mfu_measured: float | None = None
     vs_ligertune: float | None = None
     checkpointing: str | None = None  # "off", "every layer", "auto: k of L layers"
+    pairs: int | None = None
+    pairs_per_s: float | None = None
+    reference_ms: float | None = None
+    reference: str | None = None  # where the reference log-probs come from, as the table says it
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -141,6 +152,9 @@ class StepReport:
     versions: dict[str, str | None]
     date: str
     rows: list[StepRow] = field(default_factory=list)
+    pairs: dict[str, Any] | None = None
+    """A preference recipe's synthetic pairs: `objective`, `pairs` per step, `prompt_len`,
+    `answer_len`, `packs`, `micro_batches` (None for other objectives)."""
 
     def to_dict(self) -> dict[str, Any]:
         data = {k: v for k, v in dataclasses.asdict(self).items() if k != "rows"}

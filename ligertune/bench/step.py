@@ -17,6 +17,9 @@ random tokens (`bench.synthetic`) then goes through whole training steps, for ea
     HF + Liger      the same with Liger-Kernel applied to the instance, when importable
                     (before the LoRA adapters wrap it)
 
+A preference recipe (`objective.name` dpo, ipo, simpo or orpo) is timed in pairs instead, against
+TRL's `DPOTrainer` (`bench.preference`).
+
 Then the realistic case: chat conversations of mixed lengths (`bench.synthetic`) through the
 trainer's forward and backward (`training.step.forward_backward`), packed as the recipe packs
 (varlen attention) against the same conversations in right-padded batches (`collate_padded`, the
@@ -85,6 +88,10 @@ class StepBenchConfig:
     peak_tflops: float | None = None
     measure_matmul: bool = True
     seed: int = 0
+    # Preference recipes: the synthetic pairs (None: `bench.preference.pair_shape`'s defaults)
+    pairs: int | None = None
+    prompt_len: int | None = None
+    answer_len: int | None = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -98,9 +105,14 @@ def run_step_bench(
     recipe_name: str = "",
     log: Callable[[str], None] = lambda _: None,
 ) -> StepReport:
-    """Time the recipe's training step with ligertune, plain HF and HF + Liger, then packed vs padded chat."""
+    """Time the recipe's training step with ligertune, plain HF and HF + Liger, then packed vs padded chat;
+    a preference recipe's in pairs, with ligertune, TRL and TRL + Liger (`bench.preference`)."""
+    from ligertune.bench.preference import PreferenceStepBench, check_pair_options
+
+    check_pair_options(recipe, config)
     device, report = new_report(recipe, config, recipe_name, log)
-    StepBench(recipe, config, device, tokenizer_vocab(recipe), report, log).run(peers=config.peers)
+    bench = PreferenceStepBench if recipe.objective.preference else StepBench
+    bench(recipe, config, device, tokenizer_vocab(recipe), report, log).run(peers=config.peers)
     compare(report)
     return report
 
@@ -136,18 +148,21 @@ def new_report(recipe: Recipe, config: StepBenchConfig, recipe_name: str,
 
 def compare(report: StepReport) -> None:
     """Fill in each row's MFU and its speed-up: synthetic rows against ligertune's, chat rows
-    against the packed one; synthetic rows first."""
+    against the packed one; synthetic rows first. A preference row's time includes its reference
+    pass (`reference_ms`), and its speed-up is in pairs/s."""
     peak, matmul = report.peak_tflops, report.matmul_tflops
     for row in report.rows:
         if row.tokens_per_s and row.flops is not None and row.step_ms:
-            rate = row.flops / (row.step_ms * 1e-3) / 1e12
+            rate = row.flops / ((row.step_ms + (row.reference_ms or 0.0)) * 1e-3) / 1e12
             row.mfu = rate / peak if peak else None
             row.mfu_measured = rate / matmul if matmul else None
     bases = {layout: next((r for r in report.rows if r.name == name and r.tokens_per_s), None)
              for layout, name in (("synthetic", LIGERTUNE), ("chat", PACKED))}
     for row in report.rows:
         base = bases.get(row.layout)
-        if base is not None and row.tokens_per_s:
+        if base is not None and base.pairs_per_s and row.pairs_per_s:
+            row.vs_ligertune = base.pairs_per_s / row.pairs_per_s
+        elif base is not None and row.tokens_per_s:
             row.vs_ligertune = base.tokens_per_s / row.tokens_per_s
     report.rows.sort(key=lambda r: r.layout != "synthetic")
 
@@ -351,12 +366,13 @@ class StepBench:
     # ---- timing
 
     def _time(self, name: str, layout: str, steps: list[Callable[[], Any]], tokens: int, seq_lens: list[int],
-              model, *, per_pass: bool = False) -> StepRow:
+              model, *, per_pass: bool = False, flops: float | None = None) -> StepRow:
         """Time `steps` (callables): `warmup` untimed passes, then `steps` timed ones.
 
         per_pass=False: each timed step is one call of the single callable; per_pass=True: each
         timed unit is one pass over all callables (the chat micro-batches), and warm-up runs every
-        one of them once, so that every shape has been compiled before timing.
+        one of them once, so that every shape has been compiled before timing. `flops`, when given,
+        replaces the model flops of `tokens` in sequences of `seq_lens`.
         """
         cfg = self.config
         for _ in range(1 if per_pass else cfg.warmup):
@@ -377,7 +393,7 @@ class StepBench:
         return StepRow(
             name, layout, steps=cfg.steps * (len(steps) if per_pass else 1), tokens=tokens, step_ms=ms,
             tokens_per_s=tokens / (ms * 1e-3), peak_mem_gib=peak,
-            flops=StepFlops.of(model)(tokens, sum(n * n for n in seq_lens)),
+            flops=flops if flops is not None else StepFlops.of(model)(tokens, sum(n * n for n in seq_lens)),
         )
 
 

@@ -5,6 +5,7 @@
     examples = synthetic_conversations(total_tokens, max_len, vocab_size, seed)
     examples, packs = whole_micro_batches(examples, recipe.data, micro_batch_size)
     groups = padded_groups([len(e) for e in examples], budget)         # the same, right-padded
+    units = synthetic_pairs(pairs, prompt_len, answer_len, vocab_size, seed)   # preference recipes
 
 No tokenizer and no file: the shapes are what a step's time depends on, not the words.
 """
@@ -19,6 +20,7 @@ import torch
 from ligertune.data import Batch, PaddedBatch, collate, collate_padded
 from ligertune.data.chat import IGNORE_INDEX, TokenizedExample
 from ligertune.data.packing import Pack, packs_of_one
+from ligertune.data.preference import PreferenceExample
 from ligertune.recipe import DataConfig, Recipe
 
 
@@ -71,6 +73,21 @@ def whole_micro_batches(examples: list[TokenizedExample], data: DataConfig,
     packs = build_packs(data, examples)
     packs = packs[: max(len(packs) // micro_batch_size, 1) * micro_batch_size]
     return [examples[i] for p in packs for i in p.example_indices], packs
+
+
+def synthetic_pairs(pairs: int, prompt_len: int, answer_len: int, vocab_size: int,
+                    seed: int) -> list[PreferenceExample]:
+    """`pairs` preference pairs of random tokens: a prompt of `prompt_len` tokens, then a chosen and a
+    rejected answer of `answer_len` tokens each, every answer token scored (as an assistant's turns
+    and their end-of-turn tokens are), no prompt token."""
+    gen = torch.Generator().manual_seed(seed)
+    units = []
+    for i in range(pairs):
+        ids = torch.randint(0, vocab_size, (prompt_len + 2 * answer_len,), generator=gen).tolist()
+        labels = [IGNORE_INDEX] * prompt_len + ids[prompt_len:]
+        units.append(PreferenceExample(input_ids=ids, labels=labels, prompt_len=prompt_len,
+                                       answer_lens=(answer_len, answer_len), origin=f"synthetic:{i}"))
+    return units
 
 
 def padded_groups(lengths: list[int], budget: int) -> list[list[int]]:

@@ -163,11 +163,24 @@ def step(
         Optional[Path], typer.Option("--plot", help="With --memory-cap: draw tokens/s against peak memory to this PNG.",
                                      show_default=False)
     ] = None,
+    pairs: Annotated[
+        Optional[int], typer.Option("--pairs", help="Preference recipes: pairs a step (default: "
+                                    "micro_batch_size x grad_accum_steps).", show_default=False)
+    ] = None,
+    prompt_len: Annotated[
+        Optional[int], typer.Option("--prompt-len", help="Preference recipes: tokens of each pair's prompt "
+                                    "(default: half of data.max_seq_len).", show_default=False)
+    ] = None,
+    answer_len: Annotated[
+        Optional[int], typer.Option("--answer-len", help="Preference recipes: tokens of each answer, chosen "
+                                    "and rejected (default: a quarter of data.max_seq_len).", show_default=False)
+    ] = None,
 ) -> None:
     """Time training steps of the recipe's model: ligertune, plain transformers, transformers + Liger.
 
     The batch is synthetic (micro_batch_size x max_seq_len tokens); then chat conversations of mixed
-    lengths run packed and padded (docs/bench.md says what every column means).
+    lengths run packed and padded (docs/bench.md says what every column means). A preference recipe
+    (dpo, ipo, simpo, orpo) runs synthetic pairs instead, in pairs/s, against TRL's DPOTrainer.
 
     Example: [bold]ligertune bench step recipes/bench/llama-3.2-1b.yaml --steps 10 --json step.json[/]
     """
@@ -195,7 +208,8 @@ def step(
             raise UserError("--plot: draws the memory frontier, so it needs --memory-cap")
         require_matplotlib()
     loaded = load_recipe(recipe, list(set_ or []))
-    config = StepBenchConfig(steps=steps, warmup=warmup, chat=chat, peers=peers, peak_tflops=peak_tflops)
+    config = StepBenchConfig(steps=steps, warmup=warmup, chat=chat, peers=peers, peak_tflops=peak_tflops,
+                             pairs=pairs, prompt_len=prompt_len, answer_len=answer_len)
     console = Console()
     progress = Console(stderr=True, highlight=False)
     log = lambda line: progress.print(f"[dim]{line}[/]")  # noqa: E731

@@ -9,6 +9,7 @@ import pytest
 
 @pytest.fixture
 def no_peers(monkeypatch):
-    """Liger-Kernel, Cut Cross-Entropy and lion-pytorch fail to import, whether or not they are installed."""
-    for name in ("liger_kernel", "cut_cross_entropy", "lion_pytorch"):
+    """Liger-Kernel, Cut Cross-Entropy, lion-pytorch and TRL fail to import, whether or not they are
+    installed."""
+    for name in ("liger_kernel", "cut_cross_entropy", "lion_pytorch", "trl"):
         monkeypatch.setitem(sys.modules, name, None)

@@ -94,8 +94,9 @@ def alone_sums(model, units, groups) -> torch.Tensor:
         for start, end in unit.answer_spans:
             ids = unit.input_ids[:p] + unit.input_ids[start:end]
             labels = unit.labels[start:end]
+            positions = torch.arange(len(ids), device="cuda")[None]
             hidden = model.model(input_ids=torch.tensor([ids], device="cuda"),
-                                 position_ids=torch.arange(len(ids), device="cuda")[None]).last_hidden_state[0]
+                                 position_ids=positions).last_hidden_state[0]
             scored = [i for i, label in enumerate(labels) if label != IGNORE_INDEX]
             rows = torch.tensor([p - 1 + i for i in scored], device="cuda")
             targets = torch.tensor([labels[i] for i in scored], device="cuda")
@@ -105,8 +106,9 @@ def alone_sums(model, units, groups) -> torch.Tensor:
 
 
 def packed_sums(head: CausalLMLoss, batch) -> torch.Tensor:
-    out = head(batch.input_ids, batch.position_ids, score_rows=batch.score_rows, score_targets=batch.score_targets,
-               score_answers=batch.score_answers, num_answers=batch.num_answers, **batch.attention())
+    out = head(batch.input_ids, batch.position_ids, score_rows=batch.score_rows,
+               score_targets=batch.score_targets, score_answers=batch.score_answers,
+               num_answers=batch.num_answers, **batch.attention())
     return out.logp_sum
 
 

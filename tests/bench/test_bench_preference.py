@@ -1,0 +1,163 @@
+"""`ligertune bench step` on preference recipes, on a tiny Llama on the CPU: pairs per second with the
+reference pass counted in, the pair options, and the TRL rows (run when trl is installed)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from tiny_recipe import QUICKSTART
+from typer.testing import CliRunner
+
+from ligertune.bench import preference as bench_preference
+from ligertune.bench.peers import Peer
+from ligertune.bench.step import StepBenchConfig, run_step_bench
+from ligertune.cli.bench import app
+from ligertune.objectives import reference as objective_reference
+from ligertune.recipe import load_recipe
+from ligertune.training import step as training_step
+
+RECIPE = f"""\
+model:
+  config:
+    model_type: llama
+    vocab_size: 311
+    hidden_size: 32
+    intermediate_size: 56
+    num_hidden_layers: 2
+    num_attention_heads: 4
+    num_key_value_heads: 2
+    max_position_embeddings: 256
+  tokenizer: {QUICKSTART / "tokenizer"}
+  dtype: float32
+  attention: packed
+objective:
+  name: dpo
+data:
+  path: {QUICKSTART / "pairs_train.jsonl"}
+  format: paired
+  max_seq_len: 64
+train:
+  micro_batch_size: 2
+  gradient_checkpointing: true
+  seed: 3
+"""
+
+
+def write(tmp_path):
+    path = tmp_path / "dpo.yaml"
+    path.write_text(RECIPE)
+    return path
+
+
+def run_cli(*args: str):
+    return CliRunner().invoke(app, ["step", *args])
+
+
+def test_dpo_recipe_is_timed_in_pairs_with_its_reference_pass(tmp_path, no_peers, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # rich wraps the table at the terminal width
+    steps, passes = [], []
+    step, score = training_step.train_step, objective_reference.compute_reference_logps
+    monkeypatch.setattr(training_step, "train_step",
+                        lambda run, batches: steps.append(batches) or step(run, batches))
+    monkeypatch.setattr(objective_reference, "compute_reference_logps",
+                        lambda *a, **k: passes.append(a[1]) or score(*a, **k))
+    out = tmp_path / "step.json"
+    result = run_cli(str(write(tmp_path)), "--steps", "2", "--warmup", "1", "--json", str(out))
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    data = json.loads(out.read_text())
+    # Defaults: micro_batch_size x grad_accum_steps pairs, prompt max_seq_len / 2, answers max_seq_len / 4
+    assert data["pairs"] == {"objective": "dpo", "pairs": 2, "prompt_len": 32, "answer_len": 16, "packs": 2,
+                             "micro_batches": 1}
+    rows = {row["name"]: row for row in data["rows"]}
+    assert list(rows) == ["ligertune", "TRL DPOTrainer", "TRL DPOTrainer + Liger"]  # no chat rows, no HF rows
+    ours = rows["ligertune"]
+    assert ours["status"] == "ok" and ours["pairs"] == 2 and ours["tokens"] == 2 * 64 and ours["steps"] == 2
+    assert ours["reference_ms"] > 0 and ours["reference"].startswith("precomputed")
+    assert ours["pairs_per_s"] == pytest.approx(2 / ((ours["step_ms"] + ours["reference_ms"]) * 1e-3))
+    assert ours["tokens_per_s"] == pytest.approx(ours["pairs_per_s"] * 64)
+    assert ours["flops"] > 0 and ours["vs_ligertune"] == 1.0
+    for name in ("TRL DPOTrainer", "TRL DPOTrainer + Liger"):
+        assert rows[name]["status"] == "not installed"
+    # one untimed step and two timed ones, all on the same one micro-batch of two packs; the reference pass
+    # once before them (as `train` runs it) and twice timed, over both packs
+    assert len(steps) == 3 and all(len(b) == 1 and b[0].num_units == 2 for b in steps)
+    assert len(passes) == 3 and all(len(p) == 2 for p in passes)
+    assert "2 pairs a step, each a prompt of 32 tokens and two answers of 16" in result.output
+    assert "pairs/s" in result.output and "TRL DPOTrainer: not installed" in result.output
+
+
+def test_pair_options_shape_the_pairs_and_packing_follows_the_recipe(tmp_path, no_peers):
+    recipe = load_recipe(write(tmp_path))
+    config = StepBenchConfig(steps=1, warmup=0, measure_matmul=False, pairs=5, prompt_len=10, answer_len=7)
+    report = run_step_bench(recipe, config)
+    # 24-token pairs, best-fit into packs of 64: two a pack, five pairs in three packs, two micro-batches
+    assert report.pairs == {"objective": "dpo", "pairs": 5, "prompt_len": 10, "answer_len": 7, "packs": 3,
+                            "micro_batches": 2}
+    ours = report.rows[0]
+    assert ours.status == "ok" and ours.pairs == 5 and ours.tokens == 5 * 24
+
+
+def test_live_reference_is_in_the_step_and_simpo_has_none(tmp_path, no_peers):
+    path = tmp_path / "live.yaml"
+    path.write_text(RECIPE.replace("name: dpo", "name: dpo\n  reference: live"))
+    live = run_step_bench(load_recipe(path), StepBenchConfig(steps=1, warmup=0, measure_matmul=False)).rows[0]
+    assert live.status == "ok", live.detail
+    assert live.reference == "live, in the step" and live.reference_ms is None
+    assert live.pairs_per_s == pytest.approx(2 / (live.step_ms * 1e-3))
+    path = tmp_path / "simpo.yaml"
+    path.write_text(RECIPE.replace("name: dpo", "name: simpo"))
+    simpo = run_step_bench(load_recipe(path), StepBenchConfig(steps=1, warmup=0, measure_matmul=False))
+    assert simpo.rows[0].reference == "none" and simpo.rows[0].reference_ms is None
+    assert simpo.rows[0].flops < live.flops  # no reference forward counted
+
+
+def test_trl_rows_are_skipped_for_losses_trl_trains_elsewhere(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_preference, "find_peer", lambda key: Peer(key, key, "1.0", None))
+    path = tmp_path / "orpo.yaml"
+    path.write_text(RECIPE.replace("name: dpo", "name: orpo"))
+    report = run_step_bench(load_recipe(path), StepBenchConfig(steps=1, warmup=0, measure_matmul=False))
+    rows = {row.name: row for row in report.rows}
+    assert rows["TRL DPOTrainer"].status == "skipped"
+    assert rows["TRL DPOTrainer"].detail == "TRL trains orpo with another trainer"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        pytest.param(["--prompt-len", "40", "--answer-len", "16"], "72 tokens, more than data.max_seq_len=64",
+                     id="pair-too-long"),
+        pytest.param(["--pairs", "0"], "must be at least 1", id="no-pairs"),
+        pytest.param(["--memory-cap", "8"], "--memory-cap: compares supervised fine-tuning steps", id="caps"),
+    ],
+)
+def test_bad_pair_options_are_one_clear_error(tmp_path, no_peers, args, message):
+    result = run_cli(str(write(tmp_path)), "--steps", "1", *args)
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_pair_options_on_an_sft_recipe_are_refused(tmp_path):
+    path = tmp_path / "sft.yaml"
+    path.write_text(RECIPE.replace("objective:\n  name: dpo\n", "").replace("  format: paired\n", ""))
+    result = run_cli(str(path), "--pairs", "2", "--answer-len", "3")
+    assert result.exit_code == 2
+    assert "--pairs, --answer-len: these shape preference pairs; the recipe's objective is sft" in (
+        " ".join(result.output.split()))
+
+
+def test_trl_row_runs_the_same_pairs_when_installed(tmp_path, monkeypatch):
+    """TRL's DPOTrainer on the same model and pairs (CPU, float32): its steps are timed by the callback,
+    two sequences a pair, its reference the frozen copy."""
+    pytest.importorskip("trl")
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)
+    config = StepBenchConfig(steps=2, warmup=1, measure_matmul=False)
+    report = run_step_bench(load_recipe(write(tmp_path)), config)
+    rows = {row.name: row for row in report.rows}
+    trl = rows["TRL DPOTrainer"]
+    assert trl.status == "ok", trl.detail
+    assert trl.steps == 2 and trl.pairs == 2 and trl.reference == "frozen copy, in the step"
+    assert trl.tokens == rows["ligertune"].tokens and trl.flops == rows["ligertune"].flops
+    assert trl.pairs_per_s == pytest.approx(2 / (trl.step_ms * 1e-3))
+    assert rows["TRL DPOTrainer + Liger"].status == "not installed"
+    assert rows["TRL DPOTrainer + Liger"].detail == "liger-kernel: not installed"

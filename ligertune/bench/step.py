@@ -221,7 +221,9 @@ class StepBench:
             self._guarded(self._peer_name(HF_LIGER), "synthetic", self._hf_liger)
 
     def _guarded(self, name: str, layout: str, fn: Callable[[], list[StepRow]]) -> None:
-        self.log(f"step: {name}")
+        # What an earlier variant left allocated would count in this one's peak: say so when it is not 0.
+        left = torch.cuda.memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0
+        self.log(f"step: {name}" + (f" ({left:.2f} GiB left allocated before it)" if left >= 0.01 else ""))
         try:
             self.report.rows.extend(fn())
         except UserError:

@@ -1,0 +1,111 @@
+"""Measures where a preference step's time goes: the reference pass, forward, backward, and the rest of
+the trainer's step (clipping, optimizer, schedule), on `bench step`'s synthetic pairs (a GPU).
+
+Findings: docs/PERF.md, "Preference training" (2026-11-25).
+
+    python3 scripts/probes/preference.py [RECIPE] [--prompt-len N] [--answer-len N] [--set KEY=VALUE ...]
+    # (recipes/bench/llama-3.2-1b-dpo.yaml, 2830, 1190)
+
+The run, pairs and micro-batches are `bench step`'s `ligertune` row's (`bench.preference`). After two
+warm-up steps, each phase runs `REPEATS` times, the device synchronized around it, median shown:
+
+    reference       `compute_reference_logps` over the step's packs (what `train` runs once)
+    forward         `forward_backward(run, batches, backward=False)`: the forward with autograd on
+    forward+back    `forward_backward(run, batches, backward=True)`, the gradients then dropped
+    step            `train_step(run, batches)`: the above, clipping, the update, the schedule
+
+backward = forward+back - forward; optimizer and the rest = step - forward+back. Then one step under
+the profiler: device time by kernel kind (`scripts/probes/step.py`'s kinds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step import profile_kinds  # the kernel kinds of the SFT step's probe
+
+from ligertune.bench.preference import PreferenceStepBench, pair_shape
+from ligertune.bench.step import StepBenchConfig, new_report, tokenizer_vocab
+from ligertune.data import collate_preferences
+from ligertune.devices import synchronize
+from ligertune.recipe import load_recipe
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "bench" / "llama-3.2-1b-dpo.yaml"
+REPEATS = 5
+
+
+def timed(fn, device) -> float:
+    times = []
+    for _ in range(REPEATS):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def main(args: argparse.Namespace) -> None:
+    from ligertune.objectives.reference import compute_reference_logps
+    from ligertune.training.build import build_run
+    from ligertune.training.step import forward_backward, train_step
+
+    recipe = load_recipe(args.recipe, args.set)
+    config = StepBenchConfig(prompt_len=args.prompt_len, answer_len=args.answer_len, measure_matmul=False)
+    device, report = new_report(recipe, config, str(args.recipe), print)
+    bench = PreferenceStepBench(recipe, config, device, tokenizer_vocab(recipe), report, print)
+    bench.shape = pair_shape(recipe, config)
+    model = bench._model(kernels=True).module
+    run = build_run(recipe, model, device=device, total_steps=100)
+    packs = bench._packs()
+    compute_reference_logps(run.engine, packs, device)
+    size = recipe.train.micro_batch_size
+    batches = [collate_preferences(packs[i : i + size]).to(device) for i in range(0, len(packs), size)]
+    for _ in range(2):
+        train_step(run, batches)
+    copies = [dataclasses.replace(p, reference_logps=None) for p in packs]
+
+    def forward_and_back() -> None:
+        forward_backward(run, batches, backward=True)
+        run.model.zero_grad(set_to_none=True)
+
+    phases = {
+        "reference": timed(lambda: compute_reference_logps(run.engine, copies, device), device),
+        "forward": timed(lambda: forward_backward(run, batches, backward=False), device),
+        "forward+back": timed(forward_and_back, device),
+        "step": timed(lambda: train_step(run, batches), device),
+    }
+    split = {
+        "reference": phases["reference"],
+        "forward": phases["forward"],
+        "backward": phases["forward+back"] - phases["forward"],
+        "optimizer and the rest": phases["step"] - phases["forward+back"],
+    }
+    total = phases["step"] + phases["reference"]
+    print(f"{report.device}; {bench.shape.pairs} pairs of {bench.shape.tokens} tokens packed; "
+          f"checkpointing: {recipe.train.gradient_checkpointing}")
+    for name, ms in split.items():
+        print(f"{name:24} {ms:8.1f} ms {100 * ms / total:5.1f}%")
+    print(f"{'step + reference':24} {total:8.1f} ms  -> {bench.shape.pairs / total * 1e3:.2f} pairs/s")
+    if device.type != "cuda":
+        return
+    kinds = profile_kinds(lambda: train_step(run, batches))
+    busy = sum(kinds.values())
+    print(f"one step under the profiler: {busy:.1f} ms of device time")
+    for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        print(f"  {kind:20} {ms:8.1f} ms {100 * ms / busy:5.1f}%")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("recipe", nargs="?", type=Path, default=RECIPE)
+    parser.add_argument("--prompt-len", type=int, default=2830)
+    parser.add_argument("--answer-len", type=int, default=1190)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    main(parser.parse_args())

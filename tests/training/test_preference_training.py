@@ -27,6 +27,7 @@ from ligertune.objectives import Preference
 from ligertune.objectives.reference import REFERENCE_FILE
 from ligertune.training import RunInterrupted, cleanup
 from ligertune.training.checkpoint import latest_checkpoint
+from ligertune.training.display import format_metrics
 from ligertune.training.step import forward_backward, make_batch
 
 
@@ -236,6 +237,7 @@ def test_kto_starts_at_half_of_each_weight_and_resumes_bitwise(tmp_path: Path):
     records = read_metrics(tmp_path / "straight" / "metrics.jsonl")
     assert any(r.get("kl", 0) > 0 for r in records)  # the policy moved away from the reference
     assert any("eval_kl" in r and "eval_reward_desirable" in r for r in records)
+    assert "kl 0.000  reward desirable 0.000 undesirable 0.000" in format_metrics(records[0])  # the live line
 
     interrupted = start(path, f"output.dir={tmp_path / 'resumed'}")
     with pytest.raises(RunInterrupted):

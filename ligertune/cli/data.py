@@ -163,7 +163,7 @@ def preference_report(recipe: Recipe, tokenizer, *, json_: bool, show: int) -> N
 class UnitPart:
     """A preference unit's prompt, or one of its answers, as `ligertune data --show` prints it."""
 
-    name: str  # prompt, chosen, rejected; a KTO unit's answer: desirable or undesirable completion
+    name: str  # prompt, chosen, rejected; KTO: (un)desirable completion, mismatched completion
     tokens: int
     scored: int
     segments: list[tuple[str, bool]]  # (text, scored) runs
@@ -175,12 +175,13 @@ class UnitPart:
 
 def unit_parts(tokenizer, unit: PreferenceUnit) -> list[UnitPart]:
     """The prompt once, then each answer (a pair's chosen then rejected one; a KTO completion with its
-    label), each decoded in runs of scored and unscored tokens, as `trained_segments` does for SFT."""
+    label, then the mismatched completion its KL estimate scores), each decoded in runs of scored
+    and unscored tokens, as `trained_segments` does for SFT."""
     from ligertune.data import TokenizedExample, trained_segments
     from ligertune.data.preference import KTOExample
 
-    if isinstance(unit, KTOExample):
-        names = [f"{'desirable' if unit.desirable else 'undesirable'} completion"]
+    if isinstance(unit, KTOExample):  # answer 1: another example's completion, scored for z0 only
+        names = [f"{'desirable' if unit.desirable else 'undesirable'} completion", "mismatched completion"]
     else:
         names = ["chosen", "rejected"]
     spans = [("prompt", 0, unit.prompt_len), *((name, s, e) for name, (s, e) in zip(names, unit.answer_spans))]

@@ -110,7 +110,7 @@ def test_show_prints_panels_and_tables_in_pair_terms(recipe: Path):
     assert "pairs.jsonl:2" not in out
 
 
-def test_kto_examples_show_their_one_completion_and_its_label(recipe: Path, tmp_path: Path):
+def test_kto_examples_show_their_completion_its_label_and_the_mismatched_one(recipe: Path, tmp_path: Path):
     records = [{"prompt": "reverse plant", "completion": "tnalp", "label": True},
                {"prompt": "reverse plant", "completion": "tanlp", "label": False}]
     (tmp_path / "kto.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
@@ -120,8 +120,11 @@ def test_kto_examples_show_their_one_completion_and_its_label(recipe: Path, tmp_
     report = json.loads(result.stdout)
     assert report["data"]["train_examples"] == 2
     shown = [[(p["name"], joined(p, scored=True)) for p in example["parts"]] for example in report["examples"]]
-    assert shown == [[("prompt", ""), ("desirable completion", "tnalp<|im_end|>")],
-                     [("prompt", ""), ("undesirable completion", "tanlp<|im_end|>")]]
+    # Each with the other's completion, scored for the KL estimate z0 (never trained).
+    assert shown == [
+        [("prompt", ""), ("desirable completion", "tnalp<|im_end|>"), ("mismatched completion", "tanlp<|im_end|>")],
+        [("prompt", ""), ("undesirable completion", "tanlp<|im_end|>"), ("mismatched completion", "tnalp<|im_end|>")],
+    ]
 
 
 def test_order_is_refused_in_one_line(recipe: Path):

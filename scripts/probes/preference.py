@@ -9,7 +9,9 @@ Findings: docs/PERF.md, "Preference training" (2026-11-25).
 The run, pairs and micro-batches are `bench step`'s `ligertune` row's (`bench.preference`). After two
 warm-up steps, each phase runs `REPEATS` times, the device synchronized around it, median shown:
 
-    reference       `compute_reference_logps` over the step's packs (what `train` runs once)
+    reference       `compute_reference_logps` over the step's packs (what `train` runs once); beside
+                    it, the same forwards with the packs collated ahead, and one forward of all of
+                    them (what the pass could cost)
     forward         `forward_backward(run, batches, backward=False)`: the forward with autograd on
     forward+back    `forward_backward(run, batches, backward=True)`, the gradients then dropped
     step            `train_step(run, batches)`: the above, clipping, the update, the schedule
@@ -26,6 +28,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step import profile_kinds  # the kernel kinds of the SFT step's probe
@@ -75,6 +79,21 @@ def main(args: argparse.Namespace) -> None:
         forward_backward(run, batches, backward=True)
         run.model.zero_grad(set_to_none=True)
 
+    # The reference pass against what it could cost: its packs collated ahead, and one forward of the
+    # micro-batch (all packs at once); eval mode and no gradient, as the pass runs.
+    from ligertune.objectives.reference import score_answers
+
+    alone = [collate_preferences([p]).to(device) for p in copies]
+    together = collate_preferences(copies).to(device)
+
+    def scored(group) -> None:
+        run.engine.eval()
+        with torch.no_grad():
+            [score_answers(run.engine, b) for b in group]
+        run.engine.train()
+
+    for name, group in (("packs collated ahead", alone), ("the packs in one forward", [together])):
+        print(f"reference, {name}: {timed(lambda group=group: scored(group), device):.1f} ms")
     phases = {
         "reference": timed(lambda: compute_reference_logps(run.engine, copies, device), device),
         "forward": timed(lambda: forward_backward(run, batches, backward=False), device),

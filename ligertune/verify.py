@@ -1,6 +1,7 @@
 """What `ligertune verify-loss` computes: packing and batching leave the loss and its gradient unchanged.
 
-For a sample of the recipe's conversations and the recipe's model, and for each normalization mode:
+For a sample of the recipe's conversations and the recipe's model, and for each normalization mode
+(a preference recipe: `ligertune.verify_preference`, its pairs and the mean over them):
 
 - the reference runs each conversation alone (one row each, right-padded, the model's own sdpa
   attention, no ligertune kernel) and computes the loss by the definition of docs/loss.md from the
@@ -92,6 +93,8 @@ class Report:
     samples: int
     tolerances: tuple[float, float]
     processes: int = 1
+    unit: str = "conversations"
+    """What `samples` counts: conversations, or a preference recipe's pairs (KTO: examples)."""
 
     @property
     def passed(self) -> bool:
@@ -113,8 +116,9 @@ def verify_loss(recipe: Recipe, *, samples: int = 8, modes: Sequence[str] = ("to
     """Run every case of the module docstring for each mode; see `Report.passed`."""
     build_objective(recipe)  # an objective the trainer cannot run yet is refused before anything loads
     if recipe.objective.preference:
-        raise UserError(f"objective.name: verify-loss checks the supervised cross-entropy; it does not run "
-                        f"{recipe.objective.name} yet")
+        from ligertune.verify_preference import verify_preference_loss
+
+        return verify_preference_loss(recipe, samples=samples)
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise UserError(f"--modes: unknown mode {unknown[0]!r} (expected {', '.join(MODES)})")

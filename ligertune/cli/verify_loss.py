@@ -19,7 +19,7 @@ def verify_loss(
     recipe: RecipeArg,
     set_: SetOpt = None,
     json_: JsonOpt = False,
-    samples: Annotated[int, typer.Option("--samples", "-n", help="Conversations in the compared step.")] = 8,
+    samples: Annotated[int, typer.Option("--samples", "-n", help="Conversations (preference recipes: pairs) in the compared step.")] = 8,
     modes: Annotated[
         str, typer.Option("--modes", help="Normalization modes to check, comma-separated: token,sequence,sum.")
     ] = "token,sequence",
@@ -58,7 +58,7 @@ def verify_loss(
     else:
         loss_tol, grad_tol = report.tolerances
         table = Table(
-            title=f"verify-loss: {report.samples} conversations, {report.dtype} on {report.device}"
+            title=f"verify-loss: {report.samples} {report.unit}, {report.dtype} on {report.device}"
             + (f" x {report.processes} processes" if report.processes > 1 else "") + " "
             f"(tolerances: loss {loss_tol:g} relative, gradient {grad_tol:g} relative)",
             title_justify="left",

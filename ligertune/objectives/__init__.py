@@ -15,18 +15,13 @@ def build_objective(recipe) -> Objective:
     The one place that refuses what the trainer does not run yet: `train`, `validate` and
     `verify-loss` call it before reading any data, so the refusal is their first line. Refused:
     preference training without packed attention (each answer attends to its prompt through its own
-    key range) and over several processes."""
+    key range)."""
     cfg = recipe.objective
     if cfg.name == "sft":
         return SFT(recipe.loss)
     if recipe.model.attention != "packed":
         raise UserError(f"model.attention: preference training ({cfg.name}) needs `packed` attention (each "
                         f"answer attends to its prompt through its own key range); got {recipe.model.attention}")
-    from ligertune.distributed import topology_from_environment
-
-    if topology_from_environment().distributed:
-        raise UserError(f"objective.name: preference training ({cfg.name}) runs on one process for now; "
-                        "run without --nproc/torchrun")
     return Preference(PreferenceConfig(
         loss=cfg.name, beta=cfg.beta if cfg.beta is not None else 0.1, label_smoothing=cfg.label_smoothing,
         gamma=cfg.gamma if cfg.gamma is not None else 1.0,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ligertune.data import IGNORE_INDEX, Pack
-from ligertune.data.preference import PreferenceUnit
+from ligertune.data.preference import PreferencePack, PreferenceUnit
 from ligertune.distributed import Topology, all_reduce_sum, split_packs
 from ligertune.training.run import Run
 from ligertune.training.step import forward_backward, make_batch, pad_token_id
@@ -37,7 +37,14 @@ def eval_share(packs: list[Pack], topology: Topology) -> list[Pack]:
     return split_packs(padded, world)[topology.rank]
 
 
-def without_targets(pack: Pack) -> Pack:
+def without_targets(pack: Pack | PreferencePack) -> Pack | PreferencePack:
+    """A pack that runs through the model and scores nothing: the same tokens with no target (a
+    preference pack: its first prompt, with no answer)."""
+    if isinstance(pack, PreferencePack):
+        prompt = pack.prompt_lens[0]
+        return PreferencePack(pack.input_ids[:prompt], [prompt], [()], [], [], [],
+                              desirable=[] if pack.desirable is not None else None,
+                              reference_logps=[] if pack.reference_logps is not None else None)
     return Pack(pack.input_ids, [IGNORE_INDEX] * len(pack.targets), pack.seq_lens)
 
 

@@ -1,0 +1,98 @@
+"""A preference run works with the rest of the tool: LoRA, the spike watch, TensorBoard, the
+plot, `chat` and `merge` of its result, and several processes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ligertune.cli.main import app
+from ligertune.metrics import read_metrics
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "training"))
+from test_distributed import ligertune  # noqa: E402
+from test_preference_training import write_preference_recipe  # noqa: E402
+
+runner = CliRunner()
+LORA = {"r": 4, "alpha": 8, "target_modules": "all-linear"}
+
+
+def invoke(*args):
+    result = runner.invoke(app, [str(a) for a in args])
+    assert result.exit_code == 0, result.output + str(result.exception)
+    return result
+
+
+def answer(model: Path) -> dict:
+    reply = json.loads(invoke("chat", model, "-p", "reverse plant", "-n", 6, "--json").stdout)
+    return {k: v for k, v in reply.items() if k != "model"}
+
+
+def test_a_lora_dpo_run_reports_merges_and_chats(tmp_path: Path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    path = write_preference_recipe(tmp_path, lora=LORA, optim={"lr": 1e-2},
+                                   train={"max_steps": 4, "eval_every": 2, "spike_threshold": 6.0},
+                                   output={"report_to": ["tensorboard"]})
+    invoke("train", path)
+    run = tmp_path / "run"
+    records = read_metrics(run / "metrics.jsonl")
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert all({"reward_margin", "reward_accuracy", "logp_chosen", "grad_norm"} <= r.keys() for r in steps)
+    assert any("eval_reward_margin" in r for r in records)
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("train/reward_margin")] == pytest.approx(
+        [r["reward_margin"] for r in steps])
+    assert (run / "loss.png").stat().st_size > 0
+
+    merged = tmp_path / "merged"
+    invoke("merge", run, "--output", merged)
+    assert answer(merged) == answer(run)
+
+
+def test_two_processes_train_and_resume_a_dpo_run_as_one_process(tmp_path: Path):
+    """2 processes, stopped after a checkpoint and resumed, log the losses of one straight process."""
+    path = write_preference_recipe(tmp_path, optim={"schedule": "constant"},
+                                   train={"max_steps": 4, "save_every": 2, "eval_every": 2,
+                                          "micro_batch_size": 2, "grad_accum_steps": 1})
+    two = tmp_path / "two"
+    result = ligertune("train", str(path), "--nproc", "2", "-o", str(two), "--set", "train.max_steps=3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = ligertune("train", str(path), "--nproc", "2", "-o", str(two), "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    invoke("train", path, "-o", tmp_path / "one", "--set", "train.grad_accum_steps=2")
+
+    def train_records(run_dir: Path) -> list[dict]:
+        return [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+
+    one = train_records(tmp_path / "one")
+    assert [r["step"] for r in train_records(two)] == [1, 2, 3, 4]
+    for mine, reference in zip(train_records(two), one):
+        assert mine["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+        assert mine["reward_margin"] == pytest.approx(reference["reward_margin"], rel=1e-4, abs=1e-6)
+    assert any("eval_reward_accuracy" in r for r in read_metrics(two / "metrics.jsonl"))
+
+
+def test_dpo_trains_adapters_over_a_quantized_base(tmp_path: Path):
+    """QLoRA: the reference is the quantized base with the adapters at zero, so DPO starts at log 2,
+    and the loss falls."""
+    pytest.importorskip("bitsandbytes")
+    import math
+
+    model = {"config": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512},
+             "quantization": "nf4"}
+    path = write_preference_recipe(tmp_path, n_train=8, model=model, lora={"r": 8, "alpha": 16},
+                                   optim={"lr": 1e-2, "schedule": "constant"},
+                                   train={"max_steps": 10, "micro_batch_size": 8, "grad_accum_steps": 1})
+    invoke("train", path)
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    assert losses[0] == pytest.approx(math.log(2), abs=1e-5)
+    assert max(losses[-3:]) < 0.9 * losses[0]

@@ -15,7 +15,8 @@ For a sample of the recipe's pairs (KTO: examples) and the recipe's model:
   shows the error that step-level weights avoid.
 
 The reference log-probabilities are those of the starting model; the policy is that model moved a
-little (LoRA: its B matrices drawn small and random; otherwise every trainable weight nudged), so
+little (LoRA: its B matrices drawn small and random; otherwise every trainable weight nudged by 5%
+of its scale), so
 that policy and reference differ and every term of the loss is exercised. Under several processes
 each takes an equal share of the units, and the loss summed over them and the whole gradients are
 compared with the same reference.
@@ -31,7 +32,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ligertune.data import collate_preferences
-from ligertune.data.preference import PreferencePack, PreferenceUnit, make_preference_pack, pack_preferences
+from ligertune.data.packing import best_fit_decreasing
+from ligertune.data.preference import PreferencePack, PreferenceUnit, make_preference_pack
 from ligertune.distributed import (
     accumulating,
     all_reduce_sum,
@@ -108,9 +110,18 @@ def verify_preference_loss(recipe: Recipe, *, samples: int = 8) -> Report:
     tolerances = TOLERANCES.get(dtype, TOLERANCES[torch.bfloat16])
     cases: list[Case] = []
     head = build_head(model, recipe.kernels, recipe.loss)
-    capacity = max(max(len(u) for u in units), math.ceil(sum(len(u) for u in units) / 4))
-    packed = with_reference(pack_preferences(units, capacity))
-    singles = with_reference(pack_preferences(units, capacity, packing=False))
+    # Capacity for two or three units a pack, so that the packed step can also be cut into micro-batches.
+    capacity = max(max(len(u) for u in units), math.ceil(sum(len(u) for u in units) / 3))
+
+    def packed(indices: Sequence[int]) -> list[PreferencePack]:
+        """The units at `indices` packed best-fit into `capacity`, with their reference sums."""
+        groups = best_fit_decreasing([len(units[i]) for i in indices], capacity)
+        packs = [make_preference_pack(units, [indices[j] for j in group]) for group in groups]
+        return [dataclasses.replace(p, reference_logps=[x for i in p.example_indices for x in reference_logps[i]])
+                for p in packs]
+
+    def one_per_row(indices: Sequence[int]) -> list[PreferencePack]:
+        return [q for i in indices for q in packed([i])]
 
     def compare(name: str, kind: str, engine, micro: list[list[PreferencePack]], *, weighting=None,
                 distributed: bool = False) -> None:
@@ -121,24 +132,28 @@ def verify_preference_loss(recipe: Recipe, *, samples: int = 8) -> Report:
         ok = diff <= loss_tol * max(1.0, abs(reference.loss)) and err <= grad_tol
         cases.append(Case(name, kind, MODE, reference.loss, outcome.loss, diff, err, ok))
 
+    everything = range(len(units))
+    whole, singles = packed(everything), one_per_row(everything)
     patch_ligertune(model, recipe)
     try:
-        compare(f"packed {len(packed)}, 1 micro-batch", "ligertune", head, [packed])
-        compare(f"packed {len(packed)}, {len(packed)} micro-batches", "ligertune", head, [[p] for p in packed])
-        compare(f"one per row, 1x{len(singles)}", "ligertune", head, [singles])
-        compare(f"one per row, {len(singles)}x1", "ligertune", head, [[s] for s in singles])
-        uneven = [singles[:1], singles[1:]]
-        compare(f"mean per micro-batch, 1+{len(singles) - 1}", "naive", head, uneven, weighting=per_micro_batch_mean)
+        # Every process runs these on all the units: weights counted on this process alone.
+        compare(f"packed {len(whole)}, 1 micro-batch", "ligertune", head, [whole], weighting=local_weights)
+        compare(f"packed {len(whole)}, {len(whole)} micro-batches", "ligertune", head, [[p] for p in whole],
+                weighting=local_weights)
+        compare(f"one per row, 1x{len(singles)}", "ligertune", head, [singles], weighting=local_weights)
+        compare(f"one per row, {len(singles)}x1", "ligertune", head, [[s] for s in singles],
+                weighting=local_weights)
+        compare(f"mean per micro-batch, 1+{len(singles) - 1}", "naive", head, [singles[:1], singles[1:]],
+                weighting=per_micro_batch_mean)
         if topology.distributed:
             world = topology.world_size
             engine = shard(head, decoder_of(model).layers, strategy=strategy(recipe), device=device,
                            mixed_precision=None)
-            share = split_packs(singles, world)[topology.rank]
-            compare(f"{world} processes, packed, 1 micro-batch each", "ligertune", engine,
-                    [with_reference(pack_preferences([units[p.example_indices[0]] for p in share], capacity))],
+            share = split_packs(list(everything), world, length=lambda i: len(units[i]))[topology.rank]
+            compare(f"{world} processes, packed, 1 micro-batch each", "ligertune", engine, [packed(share)],
                     distributed=True)
-            compare(f"{world} processes, {len(share)}x1 each", "ligertune", engine, [[s] for s in share],
-                    distributed=True)
+            compare(f"{world} processes, {len(share)}x1 each", "ligertune", engine,
+                    [[s] for s in one_per_row(share)], distributed=True)
     finally:
         unpatch_ligertune(model)
     return Report(cases, str(dtype).removeprefix("torch."), device.type, len(units), tolerances,
@@ -154,7 +169,7 @@ def sample_units(units: Sequence[PreferenceUnit], n: int, seed: int) -> list[Pre
 
 def move_off_start(model: torch.nn.Module, recipe: Recipe) -> None:
     """Make the policy differ from the starting model (the reference): LoRA's B matrices drawn small
-    and random, or every trainable weight nudged by 1% of its scale."""
+    and random, or every trainable weight nudged by 5% of its scale."""
     if recipe.lora is not None:
         perturb_lora(model, recipe.train.seed)
         return
@@ -163,7 +178,7 @@ def move_off_start(model: torch.nn.Module, recipe: Recipe) -> None:
         for p in model.parameters():
             if p.requires_grad:
                 noise = torch.randn(p.shape, generator=generator, dtype=torch.float32).to(p)
-                p.add_(noise * 1e-2 * p.float().std().clamp(min=1e-3).to(p.dtype))
+                p.add_(noise * 5e-2 * p.float().std().clamp(min=1e-3).to(p.dtype))
 
 
 def answer_alone(unit: PreferenceUnit, answer: int) -> tuple[list[int], list[int], list[int]]:
@@ -228,6 +243,12 @@ def run_candidate(objective, engine, model: torch.nn.Module, micro: list[list[Pr
     if distributed:
         total = all_reduce_sum(total)
     return LossAndGrads(total.item(), collect_grads(model))
+
+
+def local_weights(batches) -> list[torch.Tensor]:
+    """1/|P| with the pairs of these micro-batches alone (not summed over the processes)."""
+    return step_pair_weights([int(b.answer_pair.max()) + 1 for b in batches], across_ranks=False,
+                             device=batches[0].answer_pair.device)
 
 
 def per_micro_batch_mean(batches) -> list[torch.Tensor]:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from distributed_preference import preference_step
-from test_distributed import HERE, torchrun
+from test_distributed import HERE, ligertune, torchrun
 from test_preference_training import write_preference_recipe
 
 from ligertune.numerics import relative_error
@@ -40,3 +41,12 @@ def test_two_processes_give_the_preference_step_of_one(tmp_path: Path, setting: 
     assert one["grads"].keys() == two["grads"].keys()
     for name, g in one["grads"].items():
         assert relative_error(two["grads"][name], g) < 1e-5, name
+
+
+def test_verify_loss_deals_the_pairs_to_two_processes(tmp_path: Path):
+    path = write_preference_recipe(tmp_path, objective={"name": "kto"})
+    result = ligertune("verify-loss", str(path), "--nproc", "2", "--samples", "6", "--json")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    sharded = [c for c in report["cases"] if c["name"].startswith("2 processes")]
+    assert len(sharded) == 2 and all(c["pass"] for c in sharded)

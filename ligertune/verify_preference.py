@@ -157,7 +157,7 @@ def verify_preference_loss(recipe: Recipe, *, samples: int = 8) -> Report:
     finally:
         unpatch_ligertune(model)
     return Report(cases, str(dtype).removeprefix("torch."), device.type, len(units), tolerances,
-                  processes=topology.world_size, unit="examples" if recipe.objective.name == "kto" else "pairs")
+                  processes=topology.world_size, unit=recipe.objective.units)
 
 
 def sample_units(units: Sequence[PreferenceUnit], n: int, seed: int) -> list[PreferenceUnit]:

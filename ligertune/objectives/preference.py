@@ -432,11 +432,13 @@ class Preference:
         if self.kto:
             self.sums = ("loss", "n_pairs", "n_tokens", "kl", "n_desirable", "n_undesirable",
                          "desirable_reward", "undesirable_reward", "desirable_logp", "undesirable_logp")
-            self.held_out = ("loss", "kl", "reward_desirable", "reward_undesirable")
+            self.held_out = ("loss", "kl", "reward_desirable", "reward_undesirable", "logp_desirable",
+                             "logp_undesirable")
         else:
             self.sums = ("loss", "n_pairs", "n_tokens", "chosen_reward", "rejected_reward", "accuracy",
                          "chosen_logp", "rejected_logp")
-            self.held_out = ("loss", "reward_accuracy", "reward_margin")
+            self.held_out = ("loss", "reward_accuracy", "reward_margin", "reward_chosen", "reward_rejected",
+                             "logp_chosen", "logp_rejected")
 
     def prepare_step(self, engine: AnswerScorer, batches: Sequence[PreferenceBatch]) -> list[PreferenceBatch]:
         """KTO: the step's batches carrying its reference point z0 (`kl_estimate`); the paired losses

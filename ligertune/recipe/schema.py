@@ -316,6 +316,11 @@ class ObjectiveConfig:
         return self.name != "sft"
 
     @property
+    def units(self) -> str:
+        """What one trained example is called: conversations (sft), examples (kto) or pairs."""
+        return "conversations" if self.name == "sft" else "examples" if self.name == "kto" else "pairs"
+
+    @property
     def uses_reference(self) -> bool:
         """Whether the step needs the frozen reference model's log-probabilities (`reference`)."""
         return self.reference_mode != "none"

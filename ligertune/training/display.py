@@ -86,10 +86,13 @@ def summary_table(rows: list[tuple[str, str]], title: str = "run summary") -> Ta
     return table
 
 
-def sample_table(prompt: str, reference: str, answer: str) -> Table:
-    table = Table(title="held-out conversation: greedy answer", title_justify="left", show_lines=True)
-    table.add_column("conversation so far (end)", overflow="fold")
-    table.add_column("reference", overflow="fold")
+def sample_table(prompt: str, reference: str, answer: str, *, preference: bool = False) -> Table:
+    """The greedy answer to a held-out conversation beside its reference turn (preference data: to a
+    held-out prompt, beside its chosen answer)."""
+    title = "held-out prompt: greedy answer" if preference else "held-out conversation: greedy answer"
+    table = Table(title=title, title_justify="left", show_lines=True)
+    table.add_column("prompt (end)" if preference else "conversation so far (end)", overflow="fold")
+    table.add_column("chosen answer" if preference else "reference", overflow="fold")
     table.add_column("model", overflow="fold")
     answer_style = "green" if answer.strip() == reference.strip() else "yellow"
     table.add_row(Text(prompt), Text(reference), Text(answer, style=answer_style))

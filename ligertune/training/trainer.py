@@ -24,6 +24,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -44,6 +45,7 @@ from ligertune.distributed import (
 from ligertune.errors import first_line
 from ligertune.flops import device_peak_tflops
 from ligertune.kernels import active_path
+from ligertune.metrics import read_metrics
 from ligertune.models import decoder_of, load_tokenizer, unpatch_model
 from ligertune.models.lora import unpatch_lora
 from ligertune.models.quantize import parameter_count
@@ -82,7 +84,7 @@ from ligertune.training.checkpoint import (
 from ligertune.training.display import TrainProgress, sample_table, summary_table
 from ligertune.training.evaluation import evaluate, greedy_sample
 from ligertune.training.memory import CheckpointPlanner
-from ligertune.training.outputs import SPIKES, Outputs
+from ligertune.training.outputs import METRICS, SPIKES, Outputs
 from ligertune.training.precision import optimizer_memory
 from ligertune.training.resume import check_resumable
 from ligertune.training.run import Run, RunInterrupted, StepStats, TrainingDiverged, TrainResult
@@ -245,7 +247,7 @@ def describe_run(run: Run, dtype: torch.dtype, patches: str) -> None:
     out.print(f"kernels: {patches}; fused loss: {'on' if run.head.fused else 'off'} "
               f"({active_path(run.device)} path)")
     out.print(
-        f"data: {len(data.train_examples)} train / {len(data.eval_examples)} eval conversations, "
+        f"data: {len(data.train_examples)} train / {len(data.eval_examples)} eval {recipe.objective.units}, "
         f"{len(data.train_packs)} packs of {recipe.data.max_seq_len} ({real / max(slots, 1):.1%} full), "
         f"{run.total_steps} step{'s' * (run.total_steps != 1)} of {per_step} pack{'s' * (per_step != 1)}"
     )
@@ -507,6 +509,20 @@ def peak_memory_gib(device: torch.device) -> float:
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
+def held_out_trend(metrics_path: Path, names: Sequence[str]) -> list[tuple[str, str]]:
+    """`eval <name>: first -> last` for each of the held-out metrics `names` (a preference run's
+    rewards), from the run's metrics file."""
+    records = [r for r in read_metrics(metrics_path) if "eval_loss" in r]
+    rows = []
+    for name in names:
+        values = [r[f"eval_{name}"] for r in records if f"eval_{name}" in r]
+        if values:
+            percent = name.endswith("accuracy")
+            show = (lambda v: f"{v:.1%}") if percent else (lambda v: f"{v:+.4f}")
+            rows.append((f"eval {name.replace('_', ' ')}", f"{show(values[0])} -> {show(values[-1])}"))
+    return rows
+
+
 def show_summary(run: Run, result: TrainResult) -> None:
     rows = [("steps", str(result.steps))]
     if result.skipped_steps:
@@ -518,8 +534,11 @@ def show_summary(run: Run, result: TrainResult) -> None:
     if result.eval_losses:
         first, last = result.eval_losses[0][1], result.eval_losses[-1][1]
         rows.append(("eval loss", f"{first:.4f} -> {last:.4f} ({last / first:.0%} of the first)"))
+    if run.recipe.objective.preference and run.topology.is_main:
+        watched = ("reward_accuracy", "reward_margin", "reward_desirable", "reward_undesirable")
+        rows += held_out_trend(run.output_dir / METRICS, [n for n in run.objective.held_out if n in watched])
     rows.append(("peak memory", f"{run_peak_memory_gib(run):.2f} GiB"))
     rows.append(("output", str(result.final_dir)))
     run.out.print(summary_table(rows))
     if result.sample:
-        run.out.print(sample_table(*result.sample))
+        run.out.print(sample_table(*result.sample, preference=run.recipe.objective.preference))

@@ -100,12 +100,13 @@ def answer_logps(
             f"score_rows, score_targets and score_answers must be [S] alike; got {tuple(score_rows.shape)}, "
             f"{tuple(score_targets.shape)}, {tuple(score_answers.shape)}"
         )
+    if score_answers.device.type == "cpu" and score_answers.numel() and int(score_answers.max()) >= num_answers:
+        raise ValueError(f"score_answers names answer {int(score_answers.max())}; the batch has {num_answers}")
     device = hidden.device
     rows, targets, answers = (t.to(device=device, dtype=torch.long)
                               for t in (score_rows, score_targets, score_answers))
-    n_tokens = torch.bincount(answers, minlength=num_answers)
-    if n_tokens.numel() > num_answers:
-        raise ValueError(f"score_answers names answer {n_tokens.numel() - 1}; the batch has {num_answers}")
+    # Counted with index_add, not bincount: bincount's output size waits on the device.
+    n_tokens = torch.zeros(num_answers, dtype=torch.long, device=device).index_add_(0, answers, torch.ones_like(answers))
     logp_sum = torch.zeros(num_answers, dtype=torch.float32, device=device)
     if rows.numel() == 0:
         # Still a function of the inputs, so that every rank's backward reaches the same parameters.

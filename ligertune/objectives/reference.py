@@ -77,13 +77,14 @@ def compute_reference_logps(engine: nn.Module, packs: Sequence[PreferencePack], 
     was_training = engine.training
     engine.eval()
     try:
-        values = []
+        scored = []  # kept on the device until the end: the host collates the next pack meanwhile
         for i in range(forwards):
             pack = share[i] if i < len(share) else packs[0]
             batch = collate_preferences([dataclasses.replace(pack, reference_logps=None)]).to(device)
-            values.append(score_answers(engine, batch).cpu().tolist())
+            scored.append(score_answers(engine, batch))
     finally:
         engine.train(was_training)
+    values = [v.tolist() for v in torch.cat(scored).cpu().split([len(v) for v in scored])] if scored else []
     for r, scored in enumerate(gather_objects(values[:len(share)]) if world > 1 else [values]):
         for i, pack_values in enumerate(scored):
             packs[r + i * world].reference_logps = pack_values

@@ -68,7 +68,12 @@ def test_qlora_trains_adapters_over_a_frozen_quantized_base(tmp_path: Path, kind
 
     path = qlora_recipe(tmp_path, kind, optim={"lr": 1e-2},
                         train={"max_steps": 6, "eval_every": 6, "gradient_checkpointing": True})
-    state, result = run(path)
+    state = setup(load_recipe(path), Console(quiet=True))
+    patched = is_patched(state.model)  # the run's end unpatches its model
+    try:
+        result = train_loop(state)
+    finally:
+        cleanup(state)
     model = state.model
     base = unwrap_model(model)
     assert quantization_of(model) == kind
@@ -76,7 +81,7 @@ def test_qlora_trains_adapters_over_a_frozen_quantized_base(tmp_path: Path, kind
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
     # The kernels run over the quantized layers; the loss is fused over the unquantized output layer.
-    assert is_patched(model) and state.head.fused and type(output_head_of(model)) is nn.Linear
+    assert patched and state.head.fused and type(output_head_of(model)) is nn.Linear
     assert any(getattr(m, "gradient_checkpointing", False) for m in base.modules())
     (first_step, first), (last_step, last) = state.eval_losses
     assert (first_step, last_step) == (0, 6) and last < first

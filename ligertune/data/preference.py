@@ -527,6 +527,21 @@ class PreferenceStats:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def added(cls, parts: Sequence[PreferenceStats]) -> PreferenceStats:
+        """Several sources' counts together."""
+        total = cls()
+        for st in parts:
+            total.records += st.records
+            total.bad_records += st.bad_records
+            total.bad_record_examples += st.bad_record_examples[:BAD_RECORD_EXAMPLES - len(total.bad_record_examples)]
+            for reason, count in st.dropped.items():
+                total.dropped[reason] = total.dropped.get(reason, 0) + count
+            total.kept += st.kept
+            total.scored_tokens += st.scored_tokens
+            total.total_tokens += st.total_tokens
+        return total
+
     def summary(self) -> str:
         """One line, e.g. `1200 read, 12 dropped (too_long 12), 1188 kept, 81k of 310k tokens scored`."""
         parts = [f"{self.records} read"]

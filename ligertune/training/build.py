@@ -29,7 +29,7 @@ from torch import nn
 from ligertune import models
 from ligertune.data import Pack, PreparedData, TokenizedExample, pack, prepare_data
 from ligertune.data.preference import PreferenceStats, PreparedPreferences, load_preferences, pack_preferences
-from ligertune.data.prepare import hold_out
+from ligertune.data.prepare import hold_out, take, target_counts
 from ligertune.devices import resolve_device, resolve_dtype
 from ligertune.distributed import Topology
 from ligertune.errors import UserError
@@ -39,6 +39,7 @@ from ligertune.models.head import final_logit_softcap
 from ligertune.models.lora import patch_lora
 from ligertune.recipe import (
     DataConfig,
+    DataSource,
     KernelsConfig,
     LoraConfig,
     LossConfig,
@@ -122,54 +123,63 @@ def build_data(recipe: Recipe, tokenizer, *, show_progress: bool = True) -> Trai
 def build_preference_data(recipe: Recipe, tokenizer) -> TrainingData:
     """Read, tokenize and pack the recipe's preference data (`ligertune.data.preference`): units
     (prompt + chosen + rejected; KTO: prompt + completion + another example's completion, drawn from
-    `train.seed` within each file) packed whole into `data.max_seq_len`; the held-out units from
-    `data.eval_path`, or `data.eval_fraction` of the units (drawn as supervised fine-tuning draws its
-    held-out conversations). Each source's format is checked against the objective as soon as it is
-    read. `TrainingData` keeps its shape: `prepared.train`/`.eval` are the units, its `stats` the
-    training source's `PreferenceStats`, the packs `PreferencePack`s."""
-    cfg = recipe.data
-    if cfg.sources:
-        raise UserError("data.sources: preference training reads one source for now; give data.path "
-                        "(and data.eval_path)")
-    if cfg.path is None:
+    `train.seed` within each file) packed whole into `data.max_seq_len`. `data.path`, or each of
+    `data.sources` with its `weight` or `samples` (units repeated or subsampled to their share, as
+    conversations are); the held-out units from `data.eval_path`, or `data.eval_fraction` of each
+    source's units (drawn as supervised fine-tuning draws its held-out conversations). Each source's
+    format is checked against the objective as soon as it is read. `TrainingData` keeps its shape:
+    `prepared.train`/`.eval` are the units, its `stats` the training sources' `PreferenceStats`
+    added, the packs `PreferencePack`s."""
+    cfg, seed = recipe.data, recipe.train.seed
+    if cfg.path is None and not cfg.sources:
         raise UserError("data.path: give the preference data to train on")
+    sources = cfg.sources or [DataSource(path=cfg.path, format=cfg.format, split=cfg.split)]
+    # What a refusal names: the file, and with several sources which one it is.
+    keys = [f"data.sources[{i}] ({s.path})" for i, s in enumerate(sources)] if cfg.sources else [cfg.path]
 
-    def load(path: str, where: str) -> PreparedPreferences:
-        return load_preferences(path, tokenizer, max_seq_len=cfg.max_seq_len, fmt=cfg.format, split=cfg.split,
-                                on_bad_record=cfg.on_bad_record,
-                                kto=recipe.objective.name == "kto", seed=recipe.train.seed,
-                                check_format=lambda fmt: check_objective_data(recipe.objective, fmt, where=where))
+    def load(source: DataSource, index: int, key: str) -> PreparedPreferences:
+        fmt = cfg.format if source.format == "auto" else source.format
+        return load_preferences(source.path, tokenizer, max_seq_len=cfg.max_seq_len, fmt=fmt, split=source.split,
+                                on_bad_record=cfg.on_bad_record, source=index,
+                                kto=recipe.objective.name == "kto", seed=seed,
+                                check_format=lambda fmt: check_objective_data(recipe.objective, fmt, where=key))
 
-    train = load(cfg.path, cfg.path)
-    units, eval_units = train.units, []
-    eval_stats = None
+    loaded = [load(source, i, key) for i, (source, key) in enumerate(zip(sources, keys))]
+    parts, eval_units = [], []
+    for i, data in enumerate(loaded):
+        if cfg.eval_path is not None:
+            parts.append(data.units)
+            continue
+        train_i, eval_i = hold_out(data.units, cfg.eval_fraction, random.Random(f"ligertune-data:{seed}:eval:{i}"))
+        parts.append(train_i)
+        eval_units += eval_i
+    read = [(source.path, data.stats) for source, data in zip(sources, loaded)]
     if cfg.eval_path is not None:
-        held = load(cfg.eval_path, cfg.eval_path)
-        eval_units, eval_stats = held.units, held.stats
-    else:
-        units, eval_units = hold_out(units, cfg.eval_fraction, random.Random(f"ligertune-data:{recipe.train.seed}:eval:0"))
+        held = load(DataSource(path=cfg.eval_path, format=cfg.format, split=cfg.split), len(sources), cfg.eval_path)
+        eval_units = held.units
+        read.append((cfg.eval_path, held.stats))
+    counts = target_counts(sources, [len(part) for part in parts])
+    units = [u for i, (part, count) in enumerate(zip(parts, counts))
+             for u in take(part, count, random.Random(f"ligertune-data:{seed}:take:{i}"))]
     cap = recipe.train.eval_max_conversations
     eval_units = eval_units[:cap] if cap else eval_units
-    prepared = PreparedData(units, eval_units, train.stats)
+    prepared = PreparedData(units, eval_units, PreferenceStats.added([data.stats for data in loaded]))
     return TrainingData(
         prepared=prepared,
         eval_examples=eval_units,
         train_packs=pack_preferences(units, cfg.max_seq_len, packing=cfg.packing),
         eval_packs=pack_preferences(eval_units, cfg.max_seq_len, packing=cfg.packing) if eval_units else [],
-        warnings=preference_warnings(recipe, train.stats, eval_stats, held_out=bool(eval_units)),
+        warnings=preference_warnings(recipe, read, held_out=bool(eval_units)),
     )
 
 
-def preference_warnings(recipe: Recipe, stats: PreferenceStats, eval_stats: PreferenceStats | None, *,
-                        held_out: bool) -> list[str]:
+def preference_warnings(recipe: Recipe, read: list[tuple[str, PreferenceStats]], *, held_out: bool) -> list[str]:
     """`key: message` for the preference records a run left out (as `data_warnings` for conversations):
     malformed records skipped, units longer than `data.max_seq_len` or with an answer of no scored
-    token dropped, and evaluation asked for with no held-out unit."""
+    token dropped, for each (path, stats) of `read`; and evaluation asked for with no held-out unit."""
     cfg = recipe.data
     found = []
-    for where, st in ((cfg.path, stats), (cfg.eval_path, eval_stats)):
-        if st is None:
-            continue
+    for where, st in read:
         if st.bad_records:
             first = f"; the first: {st.bad_record_examples[0]}" if st.bad_record_examples else ""
             found.append(f"data.on_bad_record: skipped {_count(st.bad_records, 'malformed record')} of {where}{first}")

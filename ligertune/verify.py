@@ -29,7 +29,7 @@ import contextlib
 import math
 import random
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import torch
 
@@ -56,6 +56,7 @@ from ligertune.training.build import build_device, build_head, build_model, patc
 from ligertune.training.step import pad_token_id
 
 MODES = ("token", "sequence", "sum")
+T = TypeVar("T")
 
 # (loss relative tolerance, gradient relative error tolerance) per parameter dtype. float32 runs
 # differ from the reference only by summation order; half precision by its rounding of activations.
@@ -122,20 +123,12 @@ def verify_loss(recipe: Recipe, *, samples: int = 8, modes: Sequence[str] = ("to
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise UserError(f"--modes: unknown mode {unknown[0]!r} (expected {', '.join(MODES)})")
-    if samples < 2:
-        raise UserError(f"--samples: at least 2 conversations are needed to pack, got {samples}")
-    topology = topology_from_environment()
-    if samples % topology.world_size:
-        raise UserError(f"--samples: {samples} conversations do not split evenly over "
-                        f"{topology.world_size} processes; use a multiple of {topology.world_size}")
-    device = build_device(recipe.train)
-    if topology.distributed:
-        device = init_process_group(topology, device.type, timeout_minutes=recipe.distributed.timeout_minutes)
+    topology, device = start(recipe, samples)
 
     def build() -> tuple:
         tokenizer = load_tokenizer(recipe.model)
         data = prepare_data(recipe.data, tokenizer, seed=recipe.train.seed, show_progress=False)
-        examples = sample_conversations(data.train, samples, recipe.train.seed)
+        examples = sample(data.train, samples, recipe.train.seed)
         examples = examples[: len(examples) - len(examples) % topology.world_size]
         if len(examples) < max(2, topology.world_size):
             raise UserError(f"data: {len(examples)} trainable conversations, too few to compare "
@@ -252,12 +245,27 @@ class Comparison:
         self.cases.append(Case(name, kind, self.mode, self.reference.loss, outcome.loss, diff, err, ok))
 
 
-def sample_conversations(examples: list[TokenizedExample], n: int, seed: int) -> list[TokenizedExample]:
-    """`n` conversations drawn under `seed`, kept in data order."""
-    if len(examples) <= n:
-        return list(examples)
-    chosen = sorted(random.Random(seed).sample(range(len(examples)), n))
-    return [examples[i] for i in chosen]
+def start(recipe: Recipe, samples: int) -> tuple[Topology, torch.device]:
+    """The processes and the device of the check, once `samples` (conversations or pairs) is known
+    to split evenly over the processes."""
+    units = recipe.objective.units
+    if samples < 2:
+        raise UserError(f"--samples: at least 2 {units} are needed to pack, got {samples}")
+    topology = topology_from_environment()
+    if samples % topology.world_size:
+        raise UserError(f"--samples: {samples} {units} do not split evenly over "
+                        f"{topology.world_size} processes; use a multiple of {topology.world_size}")
+    device = build_device(recipe.train)
+    if topology.distributed:
+        device = init_process_group(topology, device.type, timeout_minutes=recipe.distributed.timeout_minutes)
+    return topology, device
+
+
+def sample(items: Sequence[T], n: int, seed: int) -> list[T]:
+    """`n` items (conversations, or preference units) drawn under `seed`, kept in data order."""
+    if len(items) <= n:
+        return list(items)
+    return [items[i] for i in sorted(random.Random(seed).sample(range(len(items)), n))]
 
 
 def perturb_lora(model: torch.nn.Module, seed: int) -> None:

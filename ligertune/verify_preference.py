@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import random
 from collections.abc import Callable, Sequence
 
 import torch
@@ -37,11 +36,9 @@ from ligertune.data.preference import PreferencePack, PreferenceUnit, make_prefe
 from ligertune.distributed import (
     accumulating,
     all_reduce_sum,
-    init_process_group,
     shard,
     split_packs,
     together,
-    topology_from_environment,
 )
 from ligertune.errors import UserError
 from ligertune.models import decoder_of, load_tokenizer
@@ -49,7 +46,7 @@ from ligertune.numerics import relative_error
 from ligertune.objectives import build_objective
 from ligertune.objectives.preference import AnswerLogps, step_pair_weights
 from ligertune.recipe import Recipe
-from ligertune.training.build import build_device, build_head, build_model, build_preference_data, strategy
+from ligertune.training.build import build_head, build_model, build_preference_data, strategy
 from ligertune.verify import (
     TOLERANCES,
     Case,
@@ -59,6 +56,8 @@ from ligertune.verify import (
     patch_ligertune,
     perturb_lora,
     reference_model,
+    sample,
+    start,
     unpatch_ligertune,
 )
 
@@ -69,19 +68,11 @@ MODE = "pair"
 def verify_preference_loss(recipe: Recipe, *, samples: int = 8) -> Report:
     """Run every case of the module docstring; see `Report.passed`."""
     objective = build_objective(recipe)
-    if samples < 2:
-        raise UserError(f"--samples: at least 2 pairs are needed to pack, got {samples}")
-    topology = topology_from_environment()
-    if samples % topology.world_size:
-        raise UserError(f"--samples: {samples} pairs do not split evenly over {topology.world_size} processes; "
-                        f"use a multiple of {topology.world_size}")
-    device = build_device(recipe.train)
-    if topology.distributed:
-        device = init_process_group(topology, device.type, timeout_minutes=recipe.distributed.timeout_minutes)
+    topology, device = start(recipe, samples)
 
     def build() -> tuple:
         tokenizer = load_tokenizer(recipe.model)
-        units = sample_units(build_preference_data(recipe, tokenizer).prepared.train, samples, recipe.train.seed)
+        units = sample(build_preference_data(recipe, tokenizer).prepared.train, samples, recipe.train.seed)
         units = units[: len(units) - len(units) % topology.world_size]
         if len(units) < max(2, topology.world_size):
             raise UserError(f"data: {len(units)} preference units, too few to compare over "
@@ -158,13 +149,6 @@ def verify_preference_loss(recipe: Recipe, *, samples: int = 8) -> Report:
         unpatch_ligertune(model)
     return Report(cases, str(dtype).removeprefix("torch."), device.type, len(units), tolerances,
                   processes=topology.world_size, unit=recipe.objective.units)
-
-
-def sample_units(units: Sequence[PreferenceUnit], n: int, seed: int) -> list[PreferenceUnit]:
-    """`n` units drawn under `seed`, kept in data order."""
-    if len(units) <= n:
-        return list(units)
-    return [units[i] for i in sorted(random.Random(seed).sample(range(len(units)), n))]
 
 
 def move_off_start(model: torch.nn.Module, recipe: Recipe) -> None:

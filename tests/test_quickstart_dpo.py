@@ -30,6 +30,9 @@ def test_the_dpo_example_starts_from_the_quick_start_model_and_reports_held_out_
                                      f"`ligertune train {QUICKSTART_RECIPE}` leaves: run that first)")
 
     save_tiny_model(tmp_path / "runs" / "quickstart" / "final")
+    checked = runner.invoke(app, ["validate", str(RECIPE)])
+    assert checked.exit_code == 0, checked.output
+    assert "ok data: 1000 train and 160 eval pairs, 351 packs" in " ".join(checked.output.split())
     # The first 32 training pairs (the reference pass scores every one), 4 steps, 16 held-out pairs
     # evaluated at steps 0, 2 and 4; the reference cached here, not in ~/.cache.
     with (QUICKSTART / "pairs_train.jsonl").open(encoding="utf-8") as f:

@@ -54,9 +54,10 @@ def validate(recipe: RecipeArg, set_: SetOpt = None) -> None:
                       f"(bitsandbytes {bitsandbytes.__version__})")
     data = build_data(loaded, tokenizer, show_progress=False)
     stats = data.prepared.stats
+    units = {"sft": "conversations", "kto": "examples"}.get(loaded.objective.name, "pairs")
     console.print(
         f"[green]ok[/] data: {len(data.train_examples)} train and {len(data.prepared.eval)} eval "
-        f"conversations, {len(data.train_packs)} packs ({stats.summary()})"
+        f"{units}, {len(data.train_packs)} packs ({stats.summary()})"
     )
     steps = total_steps(loaded.train, len(data.train_packs), topology_from_environment().world_size)
     for warning in [*data.warnings, *schedule_warnings(loaded.optim, steps)]:

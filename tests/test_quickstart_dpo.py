@@ -46,9 +46,10 @@ def test_the_dpo_example_starts_from_the_quick_start_model_and_reports_held_out_
     records = read_metrics(run / "metrics.jsonl")
     evals = [r for r in records if "eval_loss" in r]
     assert [r["step"] for r in evals] == [0, 2, 4]
-    # At step 0 the policy is the reference: the loss is log 2 and no margin is won.
-    assert evals[0]["eval_loss"] == pytest.approx(math.log(2), abs=1e-5)
-    assert abs(evals[0]["eval_reward_margin"]) < 1e-5
+    # At step 0 the policy is the reference: the loss is log 2 and no pair is won. One pack per
+    # forward, as the reference pass scores them: the margins are exactly 0, not rounding noise.
+    assert evals[0]["eval_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert evals[0]["eval_reward_margin"] == 0 and evals[0]["eval_reward_accuracy"] == 0
     assert evals[-1]["eval_reward_margin"] > evals[0]["eval_reward_margin"]
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
     steps = [r for r in records if "loss" in r]

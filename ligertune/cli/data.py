@@ -192,14 +192,21 @@ def unit_parts(tokenizer, unit: PreferenceUnit) -> list[UnitPart]:
     return parts
 
 
-def preference_table(stats: PreferenceStats, noun: str, n_train: int, n_eval: int) -> Table:
-    table = Table(title=f"Preference data ({noun})", show_header=False, title_justify="left")
+def counts_table(title: str, read: tuple[str, int], bad_records: int, dropped: dict[str, int]) -> Table:
+    """The head that the data tables share: what was read, skipped and dropped (by reason)."""
+    table = Table(title=title, show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column(justify="right")
-    table.add_row("records read", f"{stats.records:,}")
-    table.add_row("bad records skipped", f"{stats.bad_records:,}")
-    for reason, count in sorted(stats.dropped.items()):
+    table.add_row(read[0], f"{read[1]:,}")
+    table.add_row("bad records skipped", f"{bad_records:,}")
+    for reason, count in sorted(dropped.items()):
         table.add_row(f"dropped: {reason.replace('_', ' ')}", f"{count:,}")
+    return table
+
+
+def preference_table(stats: PreferenceStats, noun: str, n_train: int, n_eval: int) -> Table:
+    table = counts_table(f"Preference data ({noun})", ("records read", stats.records), stats.bad_records,
+                         stats.dropped)
     table.add_row(f"train {noun}", f"{n_train:,}")
     table.add_row(f"eval {noun}", f"{n_eval:,}")
     share = stats.scored_tokens / stats.total_tokens if stats.total_tokens else 0.0
@@ -208,13 +215,7 @@ def preference_table(stats: PreferenceStats, noun: str, n_train: int, n_eval: in
 
 
 def data_table(stats: DataStats) -> Table:
-    table = Table(title="Data", show_header=False, title_justify="left")
-    table.add_column(style="bold")
-    table.add_column(justify="right")
-    table.add_row("conversations read", f"{stats.conversations_read:,}")
-    table.add_row("bad records skipped", f"{stats.bad_records:,}")
-    for reason, count in sorted(stats.dropped.items()):
-        table.add_row(f"dropped: {reason.replace('_', ' ')}", f"{count:,}")
+    table = counts_table("Data", ("conversations read", stats.conversations_read), stats.bad_records, stats.dropped)
     for reason, count in sorted(stats.truncated.items()):
         table.add_row(f"truncated: {reason.replace('_', ' ')}",
                       f"{count:,} ({stats.turns_removed:,} turns removed)")

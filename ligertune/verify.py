@@ -1,7 +1,8 @@
 """What `ligertune verify-loss` computes: packing and batching leave the loss and its gradient unchanged.
 
 For a sample of the recipe's conversations and the recipe's model, and for each normalization mode
-(a preference recipe: `ligertune.verify_preference`, its pairs and the mean over them):
+(a preference recipe: `ligertune.verify_preference`, its pairs and the mean over them; a
+distillation recipe: its teacher beside the model, and the loss of docs/distill.md):
 
 - the reference runs each conversation alone (one row each, right-padded, the model's own sdpa
   attention, no ligertune kernel) and computes the loss by the definition of docs/loss.md from the
@@ -49,10 +50,19 @@ from ligertune.errors import UserError
 from ligertune.models import decoder_of, load_tokenizer, unpatch_model
 from ligertune.models.lora import patch_lora, unpatch_lora
 from ligertune.numerics import relative_error
-from ligertune.objectives import build_objective
+from ligertune.models.head import divergence_from_logits
+from ligertune.objectives import Distill, Objective, build_objective
 from ligertune.objectives.normalization import step_token_weights
 from ligertune.recipe import LossConfig, Recipe
-from ligertune.training.build import build_device, build_head, build_model, patch_kernels, strategy
+from ligertune.training.build import (
+    attach_teacher,
+    build_device,
+    build_head,
+    build_model,
+    build_teacher_model,
+    patch_kernels,
+    strategy,
+)
 from ligertune.training.step import pad_token_id
 
 MODES = ("token", "sequence", "sum")
@@ -137,10 +147,14 @@ def verify_loss(recipe: Recipe, *, samples: int = 8, modes: Sequence[str] = ("to
         # cases patch it with the recipe's kernels. The same seed gives every process the same weights.
         torch.manual_seed(recipe.train.seed)
         built = build_model(recipe, device=device, vocab_size=len(tokenizer), kernels=False)
-        return tokenizer, examples, built
+        teacher = build_teacher_model(recipe, tokenizer, device=device, dtype=built.dtype, kernels=False)
+        return tokenizer, examples, built, teacher
 
-    tokenizer, examples, built = together(build)
+    tokenizer, examples, built, teacher_model = together(build)
     model, dtype = built.module, built.dtype
+    objective = build_objective(recipe)
+    if teacher_model is not None:
+        attach_teacher(objective, model, teacher_model, topology=Topology(), device=device, sharding="none")
     if recipe.lora is not None:
         perturb_lora(model, recipe.train.seed)
     model.eval()  # no dropout: every case must see the same function
@@ -157,11 +171,14 @@ def verify_loss(recipe: Recipe, *, samples: int = 8, modes: Sequence[str] = ("to
 
     cases: list[Case] = []
     references: dict[str, LossAndGrads] = {}
+    both = [model] if teacher_model is None else [model, teacher_model]
     for mode in modes:
-        with reference_model(model):
-            references[mode] = reference = run_reference(model, examples, pad_id, loss_cfg, mode, device)
-        compare = Comparison(head, head.model, reference, loss_cfg, mode, device, tolerances, cases)
-        patch_ligertune(model, recipe)
+        with reference_model(*both):
+            references[mode] = reference = run_reference(model, examples, pad_id, loss_cfg, mode, device,
+                                                         objective=objective)
+        compare = Comparison(head, head.model, reference, loss_cfg, mode, device, tolerances, cases,
+                             objective=objective)
+        patch_ligertune(model, recipe, teacher=teacher_model)
         try:
             whole = [collate(packs)]
             compare(f"packed {len(packs)}, 1 micro-batch", "ligertune", whole)
@@ -171,7 +188,7 @@ def verify_loss(recipe: Recipe, *, samples: int = 8, modes: Sequence[str] = ("to
             compare(f"unpacked, {len(singles)}x1", "ligertune", [collate([s]) for s in singles])
             # Without isolation the model gets transformers' own attention: the packed attention
             # would otherwise still keep conversations apart by their restarting position ids.
-            with reference_model(model):
+            with reference_model(*both):
                 compare("no attention isolation", "naive", whole, isolate=False)
                 compare("plain concatenation", "naive", whole, isolate=False, restart=False)
             compare("no position restart", "naive", whole, restart=False)
@@ -185,17 +202,20 @@ def verify_loss(recipe: Recipe, *, samples: int = 8, modes: Sequence[str] = ("to
                         [collate([s]) for s in singles],
                         weighting=lambda targets, _: per_micro_batch_mean(targets, loss_cfg.ignore_index))
         finally:
-            unpatch_ligertune(model)
+            unpatch_ligertune(model, teacher=teacher_model)
     if topology.distributed:
-        patch_ligertune(model, recipe)
+        patch_ligertune(model, recipe, teacher=teacher_model)
         engine = shard(head, decoder_of(model).layers, strategy=strategy(recipe), device=device,
                        mixed_precision=None)
+        if teacher_model is not None:
+            attach_teacher(objective, model, teacher_model, topology=topology, device=device,
+                           sharding=strategy(recipe))
         share = [examples[i] for i in split_packs(range(len(examples)), topology.world_size,
                                                    length=lambda i: len(examples[i]))[topology.rank]]
         world = topology.world_size
         for mode in modes:
             compare = Comparison(engine, model, references[mode], loss_cfg, mode, device, tolerances, cases,
-                                 topology=topology)
+                                 topology=topology, objective=objective)
             compare(f"{world} processes, packed, 1 micro-batch each", "ligertune",
                     [collate(pack(share, capacity))])
             compare(f"{world} processes, {len(share)}x1 each", "ligertune",
@@ -207,16 +227,21 @@ def verify_loss(recipe: Recipe, *, samples: int = 8, modes: Sequence[str] = ("to
                   processes=topology.world_size)
 
 
-def patch_ligertune(model: torch.nn.Module, recipe: Recipe) -> None:
-    """What `train` runs: the recipe's kernels and, with LoRA and `kernels.lora`, the fast LoRA forward."""
+def patch_ligertune(model: torch.nn.Module, recipe: Recipe, *, teacher: torch.nn.Module | None = None) -> None:
+    """What `train` runs: the recipe's kernels (in the teacher too) and, with LoRA and `kernels.lora`,
+    the fast LoRA forward."""
     patch_kernels(model, recipe.kernels)
+    if teacher is not None:
+        patch_kernels(teacher, recipe.kernels)
     if recipe.lora is not None and recipe.kernels.lora:
         patch_lora(model)
 
 
-def unpatch_ligertune(model: torch.nn.Module) -> None:
+def unpatch_ligertune(model: torch.nn.Module, *, teacher: torch.nn.Module | None = None) -> None:
     unpatch_lora(model)
     unpatch_model(model)
+    if teacher is not None:
+        unpatch_model(teacher)
 
 
 @dataclass
@@ -232,12 +257,13 @@ class Comparison:
     tolerances: tuple[float, float]
     cases: list[Case]
     topology: Topology | None = None  # set: the loss and gradients are summed over the processes
+    objective: Objective | None = None  # distillation: the loss of its fused divergence, not SFT's
 
     def __call__(self, name: str, kind: str, micro: list[Batch], *, isolate: bool = True,
                  restart: bool = True, weighting: Callable | None = None) -> None:
         outcome = run_candidate(self.engine, self.model, micro, self.cfg, self.mode, self.device,
                                 isolate=isolate, restart=restart, weighting=weighting,
-                                distributed=self.topology is not None)
+                                distributed=self.topology is not None, objective=self.objective)
         loss_tol, grad_tol = self.tolerances
         diff = abs(outcome.loss - self.reference.loss)
         err = relative_error(outcome.grads, self.reference.grads)
@@ -279,15 +305,17 @@ def perturb_lora(model: torch.nn.Module, seed: int) -> None:
 
 
 @contextlib.contextmanager
-def reference_model(model: torch.nn.Module) -> Iterator[None]:
-    """The model with `transformers`' own sdpa attention, for the duration of the block."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    previous = base.config._attn_implementation
-    base.set_attn_implementation("sdpa")
+def reference_model(*models: torch.nn.Module) -> Iterator[None]:
+    """The models with `transformers`' own sdpa attention, for the duration of the block."""
+    bases = [model.get_base_model() if hasattr(model, "get_base_model") else model for model in models]
+    previous = [base.config._attn_implementation for base in bases]
+    for base in bases:
+        base.set_attn_implementation("sdpa")
     try:
         yield
     finally:
-        base.set_attn_implementation(previous)
+        for base, attention in zip(bases, previous):
+            base.set_attn_implementation(attention)
 
 
 def definition_weights(targets: torch.Tensor, mode: str, ignore_index: int) -> torch.Tensor:
@@ -317,20 +345,31 @@ def definition_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.
 
 
 def run_reference(model: torch.nn.Module, examples: list[TokenizedExample], pad_id: int, cfg: LossConfig,
-                  mode: str, device: torch.device) -> LossAndGrads:
+                  mode: str, device: torch.device, *, objective: Objective | None = None) -> LossAndGrads:
+    """The loss of docs/loss.md (distillation: docs/distill.md, against the teacher's logits of each
+    conversation alone) in float64 from the full logits, and its gradients."""
     batch = collate_padded(examples, pad_id).to(device)
     model.zero_grad(set_to_none=True)
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                   position_ids=batch.position_ids, use_cache=False).logits
+    inputs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                  use_cache=False)
+    logits = model(**inputs).logits
     weights = definition_weights(batch.targets, mode, cfg.ignore_index)
-    loss = definition_loss(logits, batch.targets, weights, cfg)
+    if isinstance(objective, Distill):
+        vocab = objective.teacher.vocab
+        with torch.no_grad():
+            teacher_logits = objective.teacher.module.model(**inputs).logits[..., :vocab]
+        loss = divergence_from_logits(logits[..., :vocab].double().flatten(0, 1), teacher_logits.double().flatten(0, 1),
+                                      batch.targets.flatten(), token_weights=weights.flatten(),
+                                      options=objective.options).loss
+    else:
+        loss = definition_loss(logits, batch.targets, weights, cfg)
     loss.backward()
     return LossAndGrads(loss.item(), collect_grads(model))
 
 
 def run_candidate(engine: Callable, model: torch.nn.Module, micro: list[Batch], cfg: LossConfig, mode: str,
                   device: torch.device, *, isolate: bool, restart: bool, weighting: Callable | None,
-                  distributed: bool = False) -> LossAndGrads:
+                  distributed: bool = False, objective: Objective | None = None) -> LossAndGrads:
     micro = [b.to(device) for b in micro]
     targets = [b.targets for b in micro]
     seq_ids = [b.seq_ids for b in micro]
@@ -351,7 +390,10 @@ def run_candidate(engine: Callable, model: torch.nn.Module, micro: list[Batch], 
             # conversations from restarting position ids and would isolate them after all.
             boundaries = {"attention_mask": torch.ones_like(batch.input_ids)}
         with accumulating(engine, last=i == len(micro) - 1):
-            out = engine(batch.input_ids, position_ids, batch.targets, w, **boundaries)
+            if isinstance(objective, Distill):
+                out = objective.loss_of(engine, batch.input_ids, position_ids, batch.targets, w, **boundaries)
+            else:
+                out = engine(batch.input_ids, position_ids, batch.targets, w, **boundaries)
             out.loss.backward()
         total += out.loss.detach().double()
     if distributed:

@@ -44,7 +44,8 @@ def test_a_recipe_without_the_section_is_sft_with_nothing_else_set():
     assert recipe.objective == ObjectiveConfig()
     assert dataclasses.asdict(recipe.objective) == {
         "name": "sft", "beta": None, "label_smoothing": 0.0, "gamma": None, "orpo_lambda": None,
-        "desirable_weight": 1.0, "undesirable_weight": 1.0, "reference": "auto",
+        "desirable_weight": 1.0, "undesirable_weight": 1.0, "reference": "auto", "teacher": None,
+        "loss": "forward_kl", "temperature": 1.0, "alpha": 0.0, "teacher_quantization": None,
     }
     assert not recipe.objective.preference and not recipe.objective.uses_reference
     # Writing the section with its defaults, or not at all, is one recipe.
@@ -115,7 +116,7 @@ def test_every_setting_of_dpo_at_once():
         ({"name": "kto", "reference": "none"}, "objective.reference: kto measures its reward against a reference"),
         ({"name": "simpo", "reference": "live"}, "objective.reference: simpo is reference-free"),
         ({"name": "orpo", "reference": "precomputed"}, "objective.reference: orpo is reference-free"),
-        ({"name": "dp"}, "objective.name: must be one of sft, dpo, ipo, simpo, orpo, kto, got 'dp'; "
+        ({"name": "dp"}, "objective.name: must be one of sft, dpo, ipo, simpo, orpo, kto, distill, got 'dp'; "
                          "did you mean `dpo`?"),
         ({"name": "dpo", "beta": "high"}, "objective.beta: expected a number, got 'high'"),
     ],
@@ -141,11 +142,11 @@ def test_the_edges_of_each_range_are_accepted():
         ({"name": "ipo", "label_smoothing": 0.1}, "label_smoothing", "dpo only, and objective.name is ipo"),
         ({"name": "simpo", "label_smoothing": 0.1}, "label_smoothing", "dpo only, and objective.name is simpo"),
         ({"name": "dpo", "orpo_lambda": 0.2}, "orpo_lambda", "orpo only, and objective.name is dpo"),
-        ({"name": "orpo", "beta": 0.1}, "beta", "dpo, ipo, simpo and kto only, and objective.name is orpo: "
+        ({"name": "orpo", "beta": 0.1}, "beta", "dpo, ipo, simpo, kto and distill only, and objective.name is orpo: "
                                                  "remove it (orpo's weight is `orpo_lambda`)"),
         ({"name": "dpo", "desirable_weight": 2.0}, "desirable_weight", "kto only, and objective.name is dpo"),
         ({"name": "simpo", "undesirable_weight": 0.5}, "undesirable_weight", "kto only, and objective.name is simpo"),
-        ({"beta": 0.1}, "beta", "dpo, ipo, simpo and kto only, and objective.name is sft"),
+        ({"beta": 0.1}, "beta", "dpo, ipo, simpo, kto and distill only, and objective.name is sft"),
         ({"reference": "live"}, "reference", "dpo, ipo, simpo, orpo and kto only, and objective.name is sft"),
         ({"reference": "none"}, "reference", "dpo, ipo, simpo, orpo and kto only, and objective.name is sft"),
         ({"label_smoothing": 0.1}, "label_smoothing", "dpo only, and objective.name is sft"),

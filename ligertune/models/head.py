@@ -12,6 +12,7 @@ gathered there, by the hooks of the module that owns it.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import TYPE_CHECKING
 
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 from ligertune import kernels
-from ligertune.kernels import LossOptions, LossOutput
+from ligertune.kernels import DivergenceOptions, DivergenceOutput, LossOptions, LossOutput
 from ligertune.kernels.reference import cross_entropy_rows
 from ligertune.models.attention import (
     PACKED_ATTENTION,
@@ -70,6 +71,64 @@ def causal_lm_loss_from_logits(
         scale = 1.0 / n_tokens.clamp(min=1) if options.reduction == "mean" else 1.0
         loss, z_part = loss.sum() * scale, z_part.sum() * scale
     return LossOutput(loss=loss, z_loss=z_part, n_correct=n_correct, n_tokens=n_tokens)
+
+
+def divergence_from_logits(
+    logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    token_weights: torch.Tensor | None = None,
+    options: DivergenceOptions = DivergenceOptions(),
+) -> DivergenceOutput:
+    """The loss of `fused_linear_divergence`, from materialized logits [N, V] of the student and the
+    teacher (the teacher's taken as constants), under autograd: for any output layer (a LoRA-adapted
+    `lm_head`). Every row t with targets[t] != ignore_index counts; with P = softmax(z_teacher / tau),
+    Q = softmax(z / tau), in float32:
+
+        forward_kl: D_t = KL(P || Q)      reverse_kl: D_t = KL(Q || P)
+        jsd:        D_t = beta KL(P || M) + (1 - beta) KL(Q || M),  M = beta P + (1 - beta) Q
+
+    and the loss sum_t w_t ((1 - alpha) D_t + alpha CE_t), CE_t the student's cross-entropy at
+    temperature 1 (divided by the number of rows for reduction "mean").
+    """
+    supervised = targets != options.ignore_index
+    rows = supervised.nonzero().squeeze(1)
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    z = _capped(logits.index_select(0, rows).to(dtype), options.softcap)
+    z_teacher = _capped(teacher_logits.detach().index_select(0, rows).to(dtype), options.teacher_softcap)
+    y = targets.index_select(0, rows).long()
+    tau = options.temperature
+    log_q = torch.log_softmax(z / tau, dim=-1)
+    log_p = torch.log_softmax(z_teacher / tau, dim=-1)
+    if options.divergence == "forward_kl":
+        div = (log_p.exp() * (log_p - log_q)).sum(-1)
+    elif options.divergence == "reverse_kl":
+        div = (log_q.exp() * (log_q - log_p)).sum(-1)
+    else:
+        beta = options.beta
+        log_m = torch.logsumexp(torch.stack([log_p + math.log(beta), log_q + math.log(1 - beta)]), dim=0)
+        div = (beta * (log_p.exp() * (log_p - log_m)).sum(-1)
+               + (1 - beta) * (log_q.exp() * (log_q - log_m)).sum(-1))
+    ce = nn.functional.cross_entropy(z, y, reduction="none")
+    teacher_ce = nn.functional.cross_entropy(z_teacher, y, reduction="none")
+    weights = torch.ones_like(ce) if token_weights is None else token_weights.index_select(0, rows).to(dtype)
+    n_tokens = supervised.sum()
+    scale = 1.0 / n_tokens.clamp(min=1) if options.reduction == "mean" else 1.0
+    alpha = options.ce_weight
+    return DivergenceOutput(
+        loss=(weights * ((1 - alpha) * div + alpha * ce)).sum() * scale,
+        divergence=(weights * div).detach().sum() * scale,
+        ce=(weights * ce).detach().sum() * scale,
+        teacher_ce=(weights * teacher_ce).sum() * scale,
+        n_correct=(z.argmax(-1) == y).sum(),
+        teacher_correct=(z_teacher.argmax(-1) == y).sum(),
+        n_tokens=n_tokens,
+    )
+
+
+def _capped(z: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return z if cap is None else cap * torch.tanh(z / cap)
 
 
 def final_logit_softcap(model: nn.Module) -> float | None:
@@ -126,7 +185,11 @@ class CausalLMLoss(nn.Module):
         score_targets: torch.Tensor | None = None,
         score_answers: torch.Tensor | None = None,
         num_answers: int | None = None,
-    ) -> LossOutput | AnswerLogps:
+        teacher_hidden: torch.Tensor | None = None,
+        teacher_weight: torch.Tensor | None = None,
+        teacher_bias: torch.Tensor | None = None,
+        divergence: DivergenceOptions | None = None,
+    ) -> LossOutput | AnswerLogps | DivergenceOutput:
         """Loss of `targets` [B, L] (already shifted: targets[t] is the token after input_ids[t];
         `options.ignore_index` where there is no loss) given `input_ids` [B, L].
 
@@ -140,6 +203,10 @@ class CausalLMLoss(nn.Module):
         over its scored (row, target, answer) triples, as `AnswerLogps`; `cu_seqlens_k`,
         `max_seqlen_k` and `key_index` as in `hidden_states`. It runs here, in the module's forward,
         so that a sharded output projection is gathered by the hooks of FSDP2 as for the SFT loss.
+
+        With `teacher_hidden` (a teacher's last hidden states of the same tokens, [B * L, Ht]),
+        `teacher_weight`, `teacher_bias` (its output layer) and `divergence` (the options), the loss
+        is distillation's (`divergence`: a `DivergenceOutput`) instead of the cross-entropy.
         """
         if score_rows is not None:
             if targets is not None or token_weights is not None:
@@ -152,22 +219,14 @@ class CausalLMLoss(nn.Module):
             raise ValueError("the loss needs targets (or score_rows to score answers)")
         if key_index is not None or cu_seqlens_k is not None:
             raise ValueError("separate key ranges (key_index, cu_seqlens_k) are for scoring answers")
-        decoder = decoder_of(self.model)
-        extra = {}
-        if cu_seqlens is not None:
-            extra = packed_attention_kwargs(cu_seqlens, max_seqlen, total_tokens=input_ids.numel(),
-                                            device=input_ids.device)
-            if attention_mask is None and decoder.config._attn_implementation == PACKED_ATTENTION:
-                attention_mask = conversations_mask(input_ids.device)
-        out = decoder(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-            use_cache=False, **extra,
-        )
-        hidden = out.last_hidden_state
-        hidden = hidden.reshape(-1, hidden.shape[-1])
+        hidden = self.hidden_states(input_ids, position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                                    attention_mask=attention_mask)
         targets = targets.reshape(-1)
         if token_weights is not None:
             token_weights = token_weights.reshape(-1)
+        if teacher_hidden is not None:
+            return self.divergence(hidden, targets, token_weights, teacher_hidden, teacher_weight, teacher_bias,
+                                   divergence)
         head = output_head_of(self.model)
         projection = plain_projection(head) if self.fused else None
         if projection is not None:
@@ -177,6 +236,32 @@ class CausalLMLoss(nn.Module):
             )
         logits = head(hidden)
         return causal_lm_loss_from_logits(logits, targets, token_weights=token_weights, options=self.options)
+
+    def divergence(self, hidden: torch.Tensor, targets: torch.Tensor, token_weights: torch.Tensor | None,
+                   teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor, teacher_bias: torch.Tensor | None,
+                   options: DivergenceOptions) -> DivergenceOutput:
+        """Distillation's loss of the student's `hidden` [N, H] against the teacher's `teacher_hidden`
+        [N, Ht] and output layer (`fused_linear_divergence`); the vocabulary is the teacher's rows
+        (a student layer padded past them is cut to them). Unfused (a LoRA-adapted `lm_head`,
+        `fused=False`): the logits of the supervised rows only and `divergence_from_logits`."""
+        vocab = teacher_weight.shape[0]
+        projection = self.output_projection() if self.fused else None
+        if projection is not None:
+            weight, bias = projection
+            return kernels.fused_linear_divergence(
+                hidden, weight[:vocab], teacher_hidden, teacher_weight, targets,
+                bias=None if bias is None else bias[:vocab], teacher_bias=teacher_bias,
+                token_weights=token_weights, options=options,
+            )
+        rows = (targets != options.ignore_index).nonzero().squeeze(1)
+        teacher_logits = nn.functional.linear(teacher_hidden.index_select(0, rows), teacher_weight, teacher_bias)
+        logits = self.output_layer(hidden.index_select(0, rows))[:, :vocab]
+        weights = None if token_weights is None else token_weights.index_select(0, rows)
+        out = divergence_from_logits(logits, teacher_logits, targets.index_select(0, rows),
+                                     token_weights=weights, options=options)
+        if rows.numel() == 0:  # no supervised row: a zero that still reaches every trainable weight
+            out.loss = out.loss + hidden.sum().float() * 0.0
+        return out
 
     def hidden_states(
         self,
@@ -201,30 +286,9 @@ class CausalLMLoss(nn.Module):
         Under FSDP2 the output projection is gathered by its module's hooks only in a forward of
         that module: call it within one (as `forward` does), not on a weight read outside.
         """
-        decoder = decoder_of(self.model)
-        extra = {}
-        if key_index is not None:
-            if cu_seqlens is None or cu_seqlens_k is None:
-                raise ValueError("key_index needs the query and key boundaries, cu_seqlens and cu_seqlens_k")
-            if attention_mask is not None:
-                raise ValueError("key_index gives the whole attention: pass no attention_mask beside it")
-            if decoder.config._attn_implementation != PACKED_ATTENTION:
-                raise ValueError(f"segments with their own key rows need attn_implementation="
-                                 f"{PACKED_ATTENTION!r}; the model has "
-                                 f"{decoder.config._attn_implementation!r}")
-            extra = preference_attention_kwargs(cu_seqlens, cu_seqlens_k, key_index, max_seqlen, max_seqlen_k,
-                                                total_tokens=input_ids.numel(), device=input_ids.device)
-        elif cu_seqlens is not None:
-            extra = packed_attention_kwargs(cu_seqlens, max_seqlen, total_tokens=input_ids.numel(),
-                                            device=input_ids.device)
-        if extra and attention_mask is None and decoder.config._attn_implementation == PACKED_ATTENTION:
-            attention_mask = conversations_mask(input_ids.device)
-        out = decoder(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-            use_cache=False, **extra,
-        )
-        hidden = out.last_hidden_state
-        return hidden.reshape(-1, hidden.shape[-1])
+        return last_hidden_states(self.model, input_ids, position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                                  cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k, key_index=key_index,
+                                  attention_mask=attention_mask)
 
     def answer_logps(
         self,
@@ -286,3 +350,64 @@ class CausalLMLoss(nn.Module):
         else:
             kernel = f"causal_lm_loss_from_logits (torch, logits of the {type(head).__name__})"
         return f"kernel={kernel}, options={self.options}"
+
+
+def last_hidden_states(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_k: int | None = None,
+    key_index: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`model`'s decoder's last hidden states (after the final norm) of `input_ids` [B, L], as
+    [B * L, H], under the attention that the keywords give (`CausalLMLoss.hidden_states`)."""
+    decoder = decoder_of(model)
+    extra = {}
+    if key_index is not None:
+        if cu_seqlens is None or cu_seqlens_k is None:
+            raise ValueError("key_index needs the query and key boundaries, cu_seqlens and cu_seqlens_k")
+        if attention_mask is not None:
+            raise ValueError("key_index gives the whole attention: pass no attention_mask beside it")
+        if decoder.config._attn_implementation != PACKED_ATTENTION:
+            raise ValueError(f"segments with their own key rows need attn_implementation="
+                             f"{PACKED_ATTENTION!r}; the model has "
+                             f"{decoder.config._attn_implementation!r}")
+        extra = preference_attention_kwargs(cu_seqlens, cu_seqlens_k, key_index, max_seqlen, max_seqlen_k,
+                                            total_tokens=input_ids.numel(), device=input_ids.device)
+    elif cu_seqlens is not None:
+        extra = packed_attention_kwargs(cu_seqlens, max_seqlen, total_tokens=input_ids.numel(),
+                                        device=input_ids.device)
+    if extra and attention_mask is None and decoder.config._attn_implementation == PACKED_ATTENTION:
+        attention_mask = conversations_mask(input_ids.device)
+    out = decoder(
+        input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+        use_cache=False, **extra,
+    )
+    hidden = out.last_hidden_state
+    return hidden.reshape(-1, hidden.shape[-1])
+
+
+class TeacherStates(nn.Module):
+    """A frozen model as a module whose forward gives its last hidden states ([B * L, H], no logits):
+    a distillation teacher. Its output layer is read by `output_projection` (under FSDP2, between
+    the module's `unshard()` and `reshard()`); the loss that joins both runs in the student's head."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, **attention) -> torch.Tensor:
+        return last_hidden_states(self.model, input_ids, position_ids, **attention)
+
+    def output_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        projection = plain_projection(output_head_of(self.model))
+        if projection is None:
+            raise ValueError(f"the teacher's output layer ({type(output_head_of(self.model)).__name__}) is not "
+                             "one weight matrix")
+        return projection

@@ -48,11 +48,12 @@ def attn_implementation(attention: str) -> str:
 # tokenizer
 
 
-def load_tokenizer(model_cfg: ModelConfig):
-    """The tokenizer of `model.tokenizer`, else of `model.name_or_path` (local directory or hub id)."""
+def load_tokenizer(model_cfg: ModelConfig, *, key: str | None = None):
+    """The tokenizer of `model.tokenizer`, else of `model.name_or_path` (local directory or hub id);
+    `key` names the source in errors (default: the one of those two keys that gave it)."""
     from transformers import AutoTokenizer
 
-    key = "model.tokenizer" if model_cfg.tokenizer else "model.name_or_path"
+    key = key or ("model.tokenizer" if model_cfg.tokenizer else "model.name_or_path")
     source = model_cfg.tokenizer or model_cfg.name_or_path
     if source is None:
         raise UserError(
@@ -81,6 +82,7 @@ def build_model(
     dtype: str | torch.dtype | None = None,
     seed: int = 0,
     vocab_size: int | None = None,
+    key: str = "model.name_or_path",
 ):
     """The recipe's causal LM on `device`, in `dtype` (default `model.dtype`), with its attention.
 
@@ -89,7 +91,8 @@ def build_model(
     (normally `len(tokenizer)`) sets the vocabulary of a model built from a config, unless the config
     declares a larger one; a pretrained model whose embedding is smaller than it is resized.
     With `model.quantization`, the decoder's linear layers are quantized (`ligertune.models.quantize`):
-    as a pretrained model loads, or once a model built from a config has its weights.
+    as a pretrained model loads, or once a model built from a config has its weights. `key` names
+    the recipe key of the source in errors (`objective.teacher` for a distillation teacher).
     """
     from transformers import AutoModelForCausalLM
 
@@ -110,7 +113,7 @@ def build_model(
     source = model_cfg.name_or_path
     if source is None:
         raise UserError("model: give `name_or_path` (pretrained) or `config` (random init)")
-    offline = _check_source(source, "model.name_or_path")
+    offline = _check_source(source, key)
     quantized = {}
     if model_cfg.quantization is not None:
         # Quantized tensor by tensor as they load, straight onto the device.
@@ -122,9 +125,9 @@ def build_model(
             local_files_only=offline is not None, **quantized,
         )
     except (OSError, ValueError, KeyError) as err:
-        _raise_offline(source, "model.name_or_path", offline)
+        _raise_offline(source, key, offline)
         raise UserError(
-            f"model.name_or_path: cannot load a model from {source!r}: {first_line(err)}"
+            f"{key}: cannot load a model from {source!r}: {first_line(err)}"
         ) from None
     if quantized:
         keep_cpu_layout(model)

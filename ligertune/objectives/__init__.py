@@ -1,16 +1,19 @@
 """What a training step optimises: one module per objective, behind one seam (`base.Objective`)."""
 
 from ligertune.errors import UserError
+from ligertune.kernels import DivergenceOptions
 from ligertune.objectives.base import MicroBatchLoss, Objective
+from ligertune.objectives.distill import Distill, Teacher
 from ligertune.objectives.preference import Preference, PreferenceConfig
 from ligertune.objectives.sft import SFT
 
-__all__ = ["SFT", "MicroBatchLoss", "Objective", "Preference", "build_objective"]
+__all__ = ["SFT", "Distill", "MicroBatchLoss", "Objective", "Preference", "Teacher", "build_objective"]
 
 
 def build_objective(recipe) -> Objective:
     """The recipe's objective: supervised fine-tuning on its `loss` section for `objective.name: sft`;
-    a `Preference` objective (DPO, IPO, SimPO, ORPO, KTO) on the `objective` section otherwise.
+    distillation (`Distill`, its teacher attached when the run is built) for `distill`; a
+    `Preference` objective (DPO, IPO, SimPO, ORPO, KTO) on the `objective` section otherwise.
 
     The one place that refuses what the trainer does not run yet: `train`, `validate` and
     `verify-loss` call it before reading any data, so the refusal is their first line. Refused:
@@ -19,6 +22,8 @@ def build_objective(recipe) -> Objective:
     cfg = recipe.objective
     if cfg.name == "sft":
         return SFT(recipe.loss)
+    if cfg.name == "distill":
+        return Distill(recipe.loss, divergence_options(recipe))
     if recipe.model.attention != "packed":
         raise UserError(f"model.attention: preference training ({cfg.name}) needs `packed` attention (each "
                         f"answer attends to its prompt through its own key range); got {recipe.model.attention}")
@@ -28,3 +33,13 @@ def build_objective(recipe) -> Objective:
         orpo_lambda=cfg.orpo_lambda if cfg.orpo_lambda is not None else 0.1,
         desirable_weight=cfg.desirable_weight, undesirable_weight=cfg.undesirable_weight,
     ))
+
+
+def divergence_options(recipe) -> DivergenceOptions:
+    """The options of distillation's fused loss, from the recipe's `objective`, `loss` and `kernels`
+    sections (the logit caps are the models' own: `training.build.attach_teacher` sets them)."""
+    cfg = recipe.objective
+    return DivergenceOptions(
+        divergence=cfg.loss, beta=cfg.beta, temperature=cfg.temperature, ce_weight=cfg.alpha,
+        ignore_index=recipe.loss.ignore_index, reduction="sum", chunk_bytes=recipe.kernels.loss_chunk_mib * 2**20,
+    )

@@ -39,11 +39,7 @@ class SFT:
                                   self.cfg.normalization, ignore_index=self.cfg.ignore_index)
 
     def forward(self, engine: nn.Module, batch: Batch | PaddedBatch, weights: torch.Tensor) -> MicroBatchLoss:
-        if isinstance(batch, Batch):
-            boundaries = {"cu_seqlens": batch.cu_seqlens, "max_seqlen": batch.max_seqlen}
-        else:
-            boundaries = {"attention_mask": batch.attention_mask}
-        out = engine(batch.input_ids, batch.position_ids, batch.targets, weights, **boundaries)
+        out = engine(batch.input_ids, batch.position_ids, batch.targets, weights, **attention_of(batch))
         sums = {"loss": out.loss.detach().float(), "z_loss": out.z_loss.detach().float(),
                 "n_correct": out.n_correct, "n_tokens": out.n_tokens}
         return MicroBatchLoss(out.loss, sums)
@@ -59,3 +55,10 @@ def conversation_ids(batch: Batch | PaddedBatch) -> torch.Tensor:
         return batch.seq_ids
     rows, width = batch.input_ids.shape
     return torch.arange(rows, device=batch.input_ids.device).repeat_interleave(width)
+
+
+def attention_of(batch: Batch | PaddedBatch) -> dict:
+    """The keywords that keep a batch's conversations apart: a pack's boundaries, or a padding mask."""
+    if isinstance(batch, Batch):
+        return {"cu_seqlens": batch.cu_seqlens, "max_seqlen": batch.max_seqlen}
+    return {"attention_mask": batch.attention_mask}

@@ -4,8 +4,8 @@ resolved next to the recipe, and the resolved recipe dumped back to YAML.
 A key given twice in one mapping is a problem (YAML would keep the second silently), and a problem at
 a key written by `--set KEY=VALUE` is reported as that override's.
 
-Paths in a recipe (`model.name_or_path`, `model.tokenizer`, `data.path`, `data.sources[].path`,
-`data.eval_path`) are looked up next to the recipe file first, so a recipe and its data travel
+Paths in a recipe (`model.name_or_path`, `model.tokenizer`, `objective.teacher`, `data.path`,
+`data.sources[].path`, `data.eval_path`) are looked up next to the recipe file first, so a recipe and its data travel
 together; a path that is not there is kept as written (a hub id, or a path relative to the current
 directory) unless its first folder is there. `output.dir` is relative to the current directory.
 """
@@ -204,7 +204,8 @@ def resolve_paths(recipe: Recipe, base: Path) -> Recipe:
     sources = [dataclasses.replace(s, path=local(s.path)) for s in recipe.data.sources]
     data = dataclasses.replace(recipe.data, path=local(recipe.data.path), sources=sources,
                                eval_path=local(recipe.data.eval_path))
-    return dataclasses.replace(recipe, model=model, data=data)
+    objective = dataclasses.replace(recipe.objective, teacher=local(recipe.objective.teacher))
+    return dataclasses.replace(recipe, model=model, data=data, objective=objective)
 
 
 def dump_recipe(recipe: Recipe) -> str:

@@ -204,8 +204,14 @@ PAIRED_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
 """Objectives that compare a chosen with a rejected answer to one prompt: they need pairs."""
 REFERENCE_OBJECTIVES = ("dpo", "ipo", "kto")
 """Objectives whose reward is measured against a frozen reference model's log-probabilities."""
+PREFERENCE_OBJECTIVES = (*PAIRED_OBJECTIVES, "kto")
+"""Objectives that train on preference data (`data.format`: paired or unpaired answers)."""
+CHAT_OBJECTIVES = ("sft", "distill")
+"""Objectives that train on chat data (`data.format`: messages, sharegpt, prompt_completion)."""
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
+"""`objective.loss` of distillation (`ligertune.kernels.fused_linear_divergence`)."""
 OBJECTIVE_DEFAULTS = {
-    "beta": {"dpo": 0.1, "ipo": 0.1, "kto": 0.1, "simpo": 2.0},
+    "beta": {"dpo": 0.1, "ipo": 0.1, "kto": 0.1, "simpo": 2.0, "distill": 0.5},
     "gamma": {"simpo": 1.0},
     "orpo_lambda": {"orpo": 0.1},
 }
@@ -214,19 +220,25 @@ when loaded); an objective missing from a row does not read that key."""
 # Which objectives read each key besides `name`; a key set away from its default for another
 # objective is a recipe problem (it would be silently ignored).
 OBJECTIVE_KEYS = {
-    "beta": ("dpo", "ipo", "simpo", "kto"),
+    "beta": ("dpo", "ipo", "simpo", "kto", "distill"),
     "label_smoothing": ("dpo",),
     "gamma": ("simpo",),
     "orpo_lambda": ("orpo",),
     "desirable_weight": ("kto",),
     "undesirable_weight": ("kto",),
     "reference": ("dpo", "ipo", "simpo", "orpo", "kto"),
+    "teacher": ("distill",),
+    "loss": ("distill",),
+    "temperature": ("distill",),
+    "alpha": ("distill",),
+    "teacher_quantization": ("distill",),
 }
 
 
 @dataclass
 class ObjectiveConfig:
-    """What a step optimises: supervised fine-tuning (`sft`, the default) or a preference objective.
+    """What a step optimises: supervised fine-tuning (`sft`, the default), a preference objective, or
+    distillation from a teacher model (`distill`, on chat data).
 
     Notation: x a prompt, y_w the chosen answer, y_l the rejected one, pi the trained model,
     pi_ref the reference model (`reference`), log pi(y|x) the sum of log-probabilities of an
@@ -235,9 +247,12 @@ class ObjectiveConfig:
     whatever the batching, as supervised fine-tuning averages over tokens.
     """
 
-    name: Literal["sft", "dpo", "ipo", "simpo", "orpo", "kto"] = _field(
+    name: Literal["sft", "dpo", "ipo", "simpo", "orpo", "kto", "distill"] = _field(
         "sft",
-        "`sft`: cross-entropy on the trained tokens of chat data (the `loss` section). On preference "
+        "`sft`: cross-entropy on the trained tokens of chat data (the `loss` section). `distill`: on "
+        "the same chat data and tokens, the divergence of the trained model (the student) from a "
+        "frozen `teacher`, mixed with the student's own cross-entropy by `alpha` (docs/distill.md). "
+        "On preference "
         "data (`data.format`): `dpo` -log sigma(beta h) (Rafailov et al. 2023, DPO, eq. 7); `ipo` "
         "(h - 1/(2 beta))^2 (Azar et al. 2023, IPO, eq. 17); `simpo` -log sigma(beta/|y_w| log pi(y_w|x) - beta/|y_l| log pi(y_l|x) - gamma), "
         "reference-free, |y| the answer's scored tokens (Meng et al. 2024, SimPO, eq. 6); `orpo` "
@@ -256,7 +271,9 @@ class ObjectiveConfig:
         "the target margin being 1/(2 beta); `simpo`: the scale of the length-normalised reward. "
         "null: 0.1 for dpo, ipo and kto (the papers' and TRL's default), 2.0 for simpo (the SimPO "
         "paper's settings are 2.0 to 2.5; TRL's CPOTrainer defaults to 0.1); filled in when loaded. "
-        "Must be > 0. ORPO's weight is `orpo_lambda`, not this.",
+        "Must be > 0. ORPO's weight is `orpo_lambda`, not this. `distill` with `loss: jsd`: the "
+        "weight of the teacher in the mixture M = beta P_teacher + (1 - beta) P_student of the "
+        "generalised Jensen-Shannon divergence (0.5: the symmetric one), in (0, 1); null: 0.5.",
     )
     label_smoothing: float = _field(
         0.0,
@@ -305,6 +322,38 @@ class ObjectiveConfig:
         "orpo never read one.",
     )
 
+    teacher: str | None = _field(
+        None,
+        "`distill` only, required: the teacher model, a local folder or a hub id, loaded as "
+        "`model.name_or_path` is. It must share the student's tokenizer vocabulary; it runs frozen "
+        "on the same packs, in `model.dtype` (or quantised: `teacher_quantization`). A relative "
+        "path resolves next to the recipe.",
+    )
+    loss: Literal["forward_kl", "reverse_kl", "jsd"] = _field(
+        "forward_kl",
+        "`distill` only: the divergence D of the student's next-token distribution Q from the "
+        "teacher's P, both at `temperature`, per trained token. `forward_kl`: KL(P || Q), "
+        "mass-covering (Hinton et al. 2015); `reverse_kl`: KL(Q || P), mode-seeking (Gu et al. 2024, "
+        "MiniLLM); `jsd`: beta KL(P || M) + (1 - beta) KL(Q || M), M = beta P + (1 - beta) Q "
+        "(Agarwal et al. 2024, GKD).",
+    )
+    temperature: float = _field(
+        1.0,
+        "`distill` only: tau > 0; P and Q are the softmax of the logits over tau (above 1: softer, "
+        "the teacher's ranking of unlikely tokens weighs more). D is not multiplied by tau^2.",
+    )
+    alpha: float = _field(
+        0.0,
+        "`distill` only: the weight of the student's own next-token cross-entropy on the data; the "
+        "loss per trained token is (1 - alpha) D + alpha CE, normalised as `loss.normalization` says. "
+        "In [0, 1]: 0 is pure distillation, 1 is `sft`.",
+    )
+    teacher_quantization: Literal["nf4"] | None = _field(
+        None,
+        "`distill` only: `nf4` loads the teacher's linear layers in 4 bits (bitsandbytes, CUDA), a "
+        "quarter of its bf16 memory; null: the teacher in `model.dtype`.",
+    )
+
     def __post_init__(self) -> None:
         for key, defaults in OBJECTIVE_DEFAULTS.items():
             if getattr(self, key) is None and self.name in defaults:
@@ -312,13 +361,13 @@ class ObjectiveConfig:
 
     @property
     def preference(self) -> bool:
-        """Whether this objective trains on preference data (every objective but `sft`)."""
-        return self.name != "sft"
+        """Whether this objective trains on preference data (dpo, ipo, simpo, orpo, kto)."""
+        return self.name in PREFERENCE_OBJECTIVES
 
     @property
     def units(self) -> str:
-        """What one trained example is called: conversations (sft), examples (kto) or pairs."""
-        return "conversations" if self.name == "sft" else "examples" if self.name == "kto" else "pairs"
+        """What one trained example is called: conversations (chat data), examples (kto) or pairs."""
+        return "conversations" if not self.preference else "examples" if self.name == "kto" else "pairs"
 
     @property
     def uses_reference(self) -> bool:
@@ -343,8 +392,22 @@ class ObjectiveConfig:
                                  f"{self.name}: remove it{hint}"))
         reads = {key: self.name in readers for key, readers in OBJECTIVE_KEYS.items()}
         # Ranges are checked where the key applies (elsewhere it is refused above).
-        if reads["beta"] and not self.beta > 0:
+        if reads["beta"] and self.name == "distill":
+            if self.loss == "jsd" and not 0.0 < self.beta < 1.0:
+                problems.append(("beta", f"must lie in (0, 1), got {self.beta} (at 0 or 1 the mixture is one "
+                                 "of the two distributions and the divergence is 0: use forward_kl or reverse_kl)"))
+            elif self.loss != "jsd" and self.beta != OBJECTIVE_DEFAULTS["beta"]["distill"]:
+                problems.append(("beta", f"applies to `loss: jsd` only, and objective.loss is {self.loss}: "
+                                 "remove it"))
+        elif reads["beta"] and not self.beta > 0:
             problems.append(("beta", f"must be > 0, got {self.beta}"))
+        if self.name == "distill":
+            if not self.teacher:
+                problems.append(("teacher", "distill needs a teacher model: a local folder or a hub id"))
+            if not self.temperature > 0:
+                problems.append(("temperature", f"must be > 0, got {self.temperature}"))
+            if not 0.0 <= self.alpha <= 1.0:
+                problems.append(("alpha", f"must lie in [0, 1], got {self.alpha}"))
         if reads["label_smoothing"] and not 0.0 <= self.label_smoothing < 0.5:
             problems.append(("label_smoothing", f"must be in [0, 0.5), got {self.label_smoothing} "
                              "(at 0.5 a pair says nothing; past it the preference is reversed)"))
@@ -374,11 +437,11 @@ def objective_data_problem(name: str, fmt: str) -> str | None:
     """
     if fmt == "auto":
         return None
-    if name == "sft" and fmt in PREFERENCE_FORMATS:
-        return (f"{fmt} is preference data, which objective.name sft does not read: use a chat format "
+    if name in CHAT_OBJECTIVES and fmt in PREFERENCE_FORMATS:
+        return (f"{fmt} is preference data, which objective.name {name} does not read: use a chat format "
                 f"({', '.join(SFT_FORMATS)}), or a preference objective (objective.name: dpo, ipo, simpo, "
                 "orpo, kto)")
-    if name != "sft" and fmt in SFT_FORMATS:
+    if name in PREFERENCE_OBJECTIVES and fmt in SFT_FORMATS:
         return (f"{fmt} is chat data for supervised fine-tuning; objective.name {name} reads preference "
                 f"data: use {_names(_formats_of(name))}, or objective.name: sft")
     if name in PAIRED_OBJECTIVES and fmt == "unpaired":
@@ -396,7 +459,7 @@ def check_objective_data(objective: ObjectiveConfig, detected_format: str, *, wh
 
 
 def _formats_of(name: str) -> tuple[str, ...]:
-    if name == "sft":
+    if name in CHAT_OBJECTIVES:
         return SFT_FORMATS
     return PREFERENCE_FORMATS if name == "kto" else ("paired", "paired_conversations")
 

@@ -584,13 +584,15 @@ def schedule_warnings(cfg: OptimConfig, total_steps: int) -> list[str]:
 
 def build_run(recipe: Recipe, model: nn.Module, *, device: torch.device, total_steps: int,
               topology: Topology | None = None, mixed_precision: torch.dtype | None = None,
-              reference_model: nn.Module | None = None, **parts) -> Run:
+              reference_model: nn.Module | None = None, teacher_model: nn.Module | None = None,
+              **parts) -> Run:
     """What one training step needs, around `model` (from `build_model`): the objective, the loss
     head (sharded over the processes of `topology`), the optimizer, the schedule over `total_steps`
     and the gradient checkpointing of `train.gradient_checkpointing`. `parts` are the `Run`'s other
     fields (its data and outputs); `bench step` times the step of a run built with none. With
     `objective.reference: live`, the objective scores the reference with the adapters off (`lora`)
-    or through `reference_model`, the frozen starting model (full fine-tuning, `build_reference_model`)."""
+    or through `reference_model`, the frozen starting model (full fine-tuning, `build_reference_model`).
+    Distillation scores against `teacher_model` (`build_teacher_model`), sharded like the student."""
     from ligertune.distributed import shard
     from ligertune.objectives import build_objective
 
@@ -605,6 +607,10 @@ def build_run(recipe: Recipe, model: nn.Module, *, device: torch.device, total_s
     if recipe.objective.reference_mode == "live":
         objective.reference = live_reference(recipe, model, engine, reference_model, topology=topology,
                                              device=device, mixed_precision=mixed_precision)
+    if recipe.objective.name == "distill":
+        if teacher_model is None:
+            raise ValueError("objective.name: distill needs its teacher: give teacher_model (build_teacher_model)")
+        attach_teacher(objective, model, teacher_model, topology=topology, device=device, sharding=strategy(recipe))
     run = Run(recipe=recipe, device=device, model=model, head=head, objective=objective,
               optimizer=optimizer, scheduler=build_scheduler(optimizer, recipe.optim, total_steps=total_steps),
               total_steps=total_steps, topology=topology, engine=engine, **parts)
@@ -625,6 +631,74 @@ def build_reference_model(recipe: Recipe, *, device: torch.device, vocab_size: i
     built = build_model(recipe, device=device, vocab_size=vocab_size, dtype=dtype)
     built.module.requires_grad_(False)
     return built.module.eval()
+
+
+def build_teacher_model(recipe: Recipe, tokenizer, *, device: torch.device, dtype: torch.dtype,
+                        kernels: bool = True) -> nn.Module | None:
+    """The frozen teacher of `objective.name: distill` (None for other objectives): `objective.teacher`
+    loaded as the student's model is, in `dtype` (the student's compute dtype: it is never trained)
+    or in 4 bits (`objective.teacher_quantization`), with the recipe's kernels (unless `kernels` is
+    False), every parameter frozen. Refused in one line when its tokenizer's vocabulary is not the
+    student's `tokenizer`'s."""
+    cfg = recipe.objective
+    if cfg.name != "distill":
+        return None
+    teacher_cfg = dataclasses.replace(recipe.model, name_or_path=cfg.teacher, config=None, tokenizer=None,
+                                      quantization=cfg.teacher_quantization)
+    check_teacher_vocabulary(tokenizer, models.load_tokenizer(teacher_cfg, key="objective.teacher"), cfg.teacher)
+    if cfg.teacher_quantization is not None:
+        from ligertune.distributed import topology_from_environment
+        from ligertune.models.quantize import require_bitsandbytes
+
+        if topology_from_environment().distributed:
+            raise UserError(f"objective.teacher_quantization: a quantized teacher ({cfg.teacher_quantization}) "
+                            "runs on one process (FSDP cannot shard its packed weights); run without "
+                            "--nproc/torchrun, or without teacher_quantization")
+        require_bitsandbytes(cfg.teacher_quantization)
+    teacher = models.build_model(teacher_cfg, device=device, dtype=dtype, seed=recipe.train.seed,
+                                 key="objective.teacher")
+    if output_rows(teacher) < len(tokenizer):
+        raise UserError(f"objective.teacher: {cfg.teacher} has {output_rows(teacher):,} output rows for a "
+                        f"tokenizer of {len(tokenizer):,} tokens: it cannot score every token")
+    if kernels:
+        patch_kernels(teacher, recipe.kernels)
+    teacher.requires_grad_(False)
+    return teacher.eval()
+
+
+def output_rows(model: nn.Module) -> int:
+    """The number of logits the model's output layer gives (its vocabulary, padding rows included)."""
+    return models.output_head_of(model).out_features
+
+
+def check_teacher_vocabulary(tokenizer, teacher_tokenizer, teacher: str) -> None:
+    """Refuse a teacher whose tokens are not the student's: the two distributions must be over the
+    same tokens, id for id."""
+    ours, theirs = tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
+    if ours != theirs:
+        differ = sum(1 for token, i in ours.items() if theirs.get(token) != i) + len(theirs.keys() - ours.keys())
+        raise UserError(f"objective.teacher: {teacher} has another tokenizer vocabulary ({len(theirs):,} tokens, "
+                        f"{differ:,} not the student's id for id; the student's has {len(ours):,}): "
+                        "distillation needs the same tokens in both models")
+
+
+def attach_teacher(objective, model: nn.Module, teacher_model: nn.Module, *, topology: Topology,
+                   device: torch.device, sharding: str) -> None:
+    """Give distillation its `Teacher`: the teacher as a module of its last hidden states, sharded
+    like the student under FSDP2 (replicated under DDP: it has no gradient to reduce), the output
+    rows both models share, and both models' logit caps in the loss options."""
+    from ligertune.distributed import shard
+    from ligertune.models.head import TeacherStates
+    from ligertune.objectives import Teacher
+
+    student_rows, teacher_rows = output_rows(model), output_rows(teacher_model)
+    module = TeacherStates(teacher_model)
+    if topology.distributed and sharding == "fsdp":
+        module = shard(module, models.decoder_of(teacher_model).layers, strategy="fsdp", device=device,
+                       mixed_precision=None)
+    objective.teacher = Teacher(module, vocab=min(student_rows, teacher_rows))
+    objective.options = dataclasses.replace(objective.options, softcap=final_logit_softcap(model),
+                                            teacher_softcap=final_logit_softcap(teacher_model))
 
 
 def live_reference(recipe: Recipe, model: nn.Module, engine: nn.Module, reference_model: nn.Module | None, *,

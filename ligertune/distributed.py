@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ligertune.errors import EnvironmentFault, UserError
+from ligertune.errors import EnvironmentFault, UserError, first_line
 
 T = TypeVar("T")
 
@@ -238,18 +238,78 @@ def full_tensor(value: torch.Tensor) -> torch.Tensor:
 # launching
 
 
-def launch(nproc: int, args: list[str]) -> int:
+@dataclass(frozen=True)
+class Rendezvous:
+    """How the machines of one run find each other: torchrun's static rendezvous. Node 0 serves it
+    at `endpoint` (HOST:PORT, an address of node 0 that the others reach); every node names it, the
+    number of nodes and its own rank among them, so that the ranks follow the nodes' order and rank
+    0, which writes the run's files, is on node 0."""
+
+    nnodes: int
+    node_rank: int
+    endpoint: str
+    run_id: str = "ligertune"
+    timeout_s: int = 300
+    """How long a node waits for the others to join before it gives up (torch's default: 600)."""
+
+    def __post_init__(self) -> None:
+        if self.nnodes < 1:
+            raise UserError(f"--nnodes: {self.nnodes} nodes; give at least 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise UserError(f"--node-rank: {self.node_rank} is not a node of {self.nnodes} "
+                            f"(0 to {self.nnodes - 1}; node 0 serves the rendezvous)")
+        host, _, port = self.endpoint.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise UserError(f"--rdzv-endpoint: {self.endpoint!r} is not HOST:PORT (an address of node 0 "
+                            "that every node reaches, and a free port there, such as node0:29500)")
+
+    def describe(self) -> str:
+        return f"rendezvous {self.endpoint} (id {self.run_id})"
+
+    def wait_for_node_0(self) -> bool:
+        """Whether node 0 answers at the endpoint within the timeout. (torch's store client waits
+        as well, but logs each failed try with a C++ backtrace: a node started before node 0 would
+        print pages.)"""
+        import socket
+        import time
+
+        host, _, port = self.endpoint.rpartition(":")
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+                    return True
+            except OSError:
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.5)
+
+    def torchrun_args(self) -> list[str]:
+        return ["--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank), "--rdzv-backend", "static",
+                "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.run_id,
+                "--rdzv-conf", f"timeout={self.timeout_s}"]
+
+
+def launch(nproc: int, args: list[str], *, rendezvous: Rendezvous | None = None,
+           env: dict[str, str] | None = None) -> int:
     """Run `python -m ligertune ARGS` in `nproc` processes on this machine through
-    `torch.distributed.run` (what `torchrun --standalone --nproc_per_node N` does); the exit code of
-    the first process that failed, else 0.
+    `torch.distributed.run`: alone (what `torchrun --standalone --nproc_per_node N` does), or as one
+    node of several that meet at `rendezvous`. `env` is added to the processes' environment. The
+    exit code of the first process that failed, else 0.
 
     torch's agent passes SIGINT and SIGTERM on to the processes, which finish the step, save and exit
     130 or 143; it waits `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` seconds for them before killing them, 10
-    minutes here (its default, 30 s, is shorter than saving a large model takes)."""
+    minutes here (its default, 30 s, is shorter than saving a large model takes).
+
+    A node that never joins, or a node 0 that never serves the rendezvous, is an `EnvironmentFault`
+    naming the rendezvous and the missing node, raised on the nodes that wait, once
+    `rendezvous.timeout_s` has passed (`rendezvous_failure`)."""
     import logging
 
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
     # The launcher's own notices (thread counts, a worker's exit code) are not the run's output:
@@ -257,9 +317,11 @@ def launch(nproc: int, args: list[str]) -> int:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")
-    parsed = get_args_parser().parse_args(
-        ["--standalone", "--nproc_per_node", str(nproc), "--module", "ligertune", *args]
-    )
+    os.environ.update(env or {})
+    if rendezvous is not None and rendezvous.node_rank != 0 and not rendezvous.wait_for_node_0():
+        raise EnvironmentFault(rendezvous_failure(rendezvous, None))
+    where = rendezvous.torchrun_args() if rendezvous is not None else ["--standalone"]
+    parsed = get_args_parser().parse_args([*where, "--nproc_per_node", str(nproc), "--module", "ligertune", *args])
     try:
         run(parsed)
     except ChildFailedError as err:
@@ -267,4 +329,35 @@ def launch(nproc: int, args: list[str]) -> int:
         return next((c for c in codes if c and c > 0), 1)
     except SignalException as err:  # the agent stopped the processes on this signal
         return 128 + int(err.sigval)
+    except (DistError, RendezvousError) as err:
+        if rendezvous is None:
+            raise
+        raise EnvironmentFault(rendezvous_failure(rendezvous, err)) from None
     return 0
+
+
+def rendezvous_failure(rendezvous: Rendezvous, err: BaseException | None) -> str:
+    """One line for a rendezvous that did not complete: which node is missing, where, after how long.
+
+    Node 0 serves the rendezvous (a TCPStore) and waits for the others to connect: torch says how
+    many did ("1/2 clients joined"), not which, so the missing node is named when one is missing of
+    two or more when only node 0 came. The other nodes wait for node 0 to answer."""
+    import re
+
+    where = f"{rendezvous.describe()}, {rendezvous.nnodes} nodes"
+    waited = f"within {rendezvous.timeout_s} s"
+    if rendezvous.node_rank != 0:
+        return (f"{where}: node 0 did not serve it {waited} (not started, or {rendezvous.endpoint} not "
+                f"reachable from node {rendezvous.node_rank}); start node 0 with --node-rank 0 and the same "
+                f"--rdzv-endpoint")
+    joined = re.search(r"(\d+)/(\d+) clients joined", str(err))
+    if joined is None:
+        return f"{where}: {first_line(err) if err is not None else 'did not complete'}"
+    present = int(joined.group(1))
+    missing = rendezvous.nnodes - present
+    if present == 1:
+        which = "node 1" if missing == 1 else f"nodes 1 to {rendezvous.nnodes - 1}"
+    else:
+        which = f"{missing} of nodes 1 to {rendezvous.nnodes - 1}"
+    return (f"{where}: {which} did not join {waited} ({present} of {rendezvous.nnodes} joined); start "
+            f"each with its --node-rank and --rdzv-endpoint {rendezvous.endpoint}")

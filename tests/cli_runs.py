@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,12 +15,29 @@ from pathlib import Path
 import pytest
 
 
-def ligertune(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def ligertune(*args: str, timeout: float = 240, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`ligertune ARGS` in a process of its own: one thread a process (2 processes on 2 cores, each its
-    own) and NVLink multicast off (the GPU machines these tests run on run NCCL without it)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "NCCL_NVLS_ENABLE": "0"}
-    return subprocess.run([sys.executable, "-m", "ligertune", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    own) and NVLink multicast off (the GPU machines these tests run on run NCCL without it); `env`
+    added to the environment."""
+    return subprocess.run([sys.executable, "-m", "ligertune", *args], env=_environment(env), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def start_ligertune(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`ligertune ARGS` started as `ligertune` does, not waited for (`.communicate(timeout=...)` does)."""
+    return subprocess.Popen([sys.executable, "-m", "ligertune", *args], env=_environment(env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _environment(extra: dict[str, str] | None) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "NCCL_NVLS_ENABLE": "0", **(extra or {})}
+
+
+def free_port() -> int:
+    """A TCP port free on this machine a moment ago (for a rendezvous on localhost)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def train_records(run_dir: Path) -> list[dict]:

@@ -12,8 +12,20 @@ import typer
 from rich.console import Console
 
 from ligertune.cli.interrupts import INTERRUPTS, report_interrupted
-from ligertune.cli.options import RecipeArg, SetOpt
+from ligertune.cli.options import (
+    NnodesOpt,
+    NodeRankOpt,
+    NprocOpt,
+    RdzvEndpointOpt,
+    RdzvIdOpt,
+    RdzvTimeoutOpt,
+    RecipeArg,
+    SetOpt,
+)
 from ligertune.errors import UserError
+
+RESUME_COMMAND_VARIABLE = "LIGERTUNE_RESUME_COMMAND"
+"""How the launcher tells its processes the command that continues the run (printed on Ctrl-C)."""
 
 
 def train(
@@ -29,10 +41,12 @@ def train(
         bool,
         typer.Option("--resume", help="Continue the run in output.dir from its latest checkpoint (or from CHECKPOINT)."),
     ] = False,
-    nproc: Annotated[
-        int,
-        typer.Option("--nproc", min=1, help="Train with N processes (one per GPU; gloo on the CPU), as torchrun does."),
-    ] = 1,
+    nproc: NprocOpt = None,
+    nnodes: NnodesOpt = 1,
+    node_rank: NodeRankOpt = 0,
+    rdzv_endpoint: RdzvEndpointOpt = None,
+    rdzv_id: RdzvIdOpt = None,
+    rdzv_timeout: RdzvTimeoutOpt = 300,
     checkpoint: Annotated[
         Optional[Path],
         typer.Argument(help="With --resume: the checkpoint or run directory to continue from.", show_default=False),
@@ -43,10 +57,14 @@ def train(
     Ctrl-C (or SIGTERM) finishes the step under way, writes a checkpoint and prints the command
     that continues the run: `ligertune train RECIPE --resume [CHECKPOINT]`.
 
+    On several machines, start it on each with the same --nnodes and --rdzv-endpoint and its own
+    --node-rank; under SLURM, `srun ligertune train RECIPE` finds the nodes itself (docs/distributed.md).
+
     Example: [bold]ligertune train recipes/quickstart.yaml --set optim.lr=1e-3 --max-steps 50[/]
     """
-    from ligertune.distributed import is_main_process, launch, topology_from_environment
+    from ligertune.distributed import Rendezvous, is_main_process, launch
     from ligertune.recipe import load_recipe
+    from ligertune.slurm import slurm_step
     from ligertune.training import RunInterrupted
     from ligertune.training import train as run_training
 
@@ -57,21 +75,55 @@ def train(
         overrides.append(f"train.max_steps={max_steps}")
     if checkpoint is not None and not resume:
         raise UserError(f"{checkpoint}: a checkpoint to continue from goes with --resume")
-    # This command as the user gave it, less --nproc and --resume: what each process runs, and what
-    # the resume line printed on Ctrl-C repeats. (No --nproc for the processes: torchrun's own
-    # parser would take it for an abbreviation of --nproc-per-node.)
+    # This command as the user gave it, less the launch options and --resume: what each process runs,
+    # and what the resume line printed on Ctrl-C repeats. (No --nproc for the processes: torchrun's
+    # own parser would take it for an abbreviation of --nproc-per-node.)
     command = ["train", str(recipe), *(arg for o in set_ or [] for arg in ("--set", o))]
     if output_dir is not None:
         command += ["-o", str(output_dir)]
     if max_steps is not None:
         command += ["--max-steps", str(max_steps)]
-    processes = topology_from_environment().world_size if "RANK" in os.environ else nproc
-    resume_command = shlex.join(["ligertune", *command, *(["--nproc", str(processes)] if processes > 1 else []),
-                                 "--resume"])
-    if nproc > 1 and "RANK" not in os.environ:  # not yet started by torchrun
+    by_hand = nnodes > 1 or rdzv_endpoint is not None
+    if not by_hand and (node_rank or rdzv_id is not None):
+        raise UserError("--node-rank and --rdzv-id go with --nnodes N and --rdzv-endpoint HOST:PORT")
+    started = "RANK" in os.environ  # a process of the run, started by torchrun (or by this command)
+    slurm = None if started or by_hand else slurm_step(os.environ)
+    rendezvous, launch_options = None, []
+    if slurm is not None and slurm.tasks_are_processes:  # srun started every process itself
+        if nproc not in (None, 1):
+            raise UserError(f"--nproc: srun started a task per process ({slurm.describe()}); "
+                            "--nproc goes with one task per node")
+        os.environ.update(slurm.process_environment())
+        started = True
+    elif slurm is not None:  # a task per node: this one starts its node's processes
+        nproc = nproc or slurm.gpus_on_node or 1
+        if slurm.nnodes > 1:
+            rendezvous = Rendezvous(slurm.nnodes, slurm.node_rank, slurm.endpoint, run_id=slurm.job_id,
+                                    timeout_s=rdzv_timeout)
+    elif by_hand:
+        if rdzv_endpoint is None:
+            raise UserError(f"--nnodes {nnodes}: give --rdzv-endpoint HOST:PORT, an address of node 0 that "
+                            "every node reaches and a free port there (the same on every node)")
+        rendezvous = Rendezvous(nnodes, node_rank, rdzv_endpoint, run_id=rdzv_id or "ligertune",
+                                timeout_s=rdzv_timeout)
+        launch_options = ["--nnodes", str(nnodes), "--node-rank", "0", "--rdzv-endpoint", rdzv_endpoint,
+                          *(["--rdzv-id", rdzv_id] if rdzv_id else [])]
+    nproc = nproc or 1
+    if slurm is not None:  # srun gives every task its place again
+        per_node = ["--nproc", str(nproc)] if nproc > 1 and not slurm.tasks_are_processes else []
+        resume_command = shlex.join(["srun", "ligertune", *command, *per_node, "--resume"])
+    elif started:  # by our launcher, which said how the run continues, or by torchrun itself
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        resume_command = os.environ.get(RESUME_COMMAND_VARIABLE) or shlex.join(
+            ["ligertune", *command, *(["--nproc", str(world)] if world > 1 else []), "--resume"])
+    else:
+        resume_command = shlex.join(["ligertune", *command, *launch_options,
+                                     *(["--nproc", str(nproc)] if nproc > 1 else []), "--resume"])
+    if not started and (nproc > 1 or rendezvous is not None):
         load_recipe(recipe, overrides)  # a mistake in the recipe is reported once, before any process starts
         resuming = ["--resume", *([str(checkpoint)] if checkpoint else [])] if resume else []
-        raise typer.Exit(launch(nproc, [*command, *resuming]))
+        raise typer.Exit(launch(nproc, [*command, *resuming], rendezvous=rendezvous,
+                                env={RESUME_COMMAND_VARIABLE: resume_command}))
     console = Console()
     try:
         run_training(load_recipe(recipe, overrides), console=console,

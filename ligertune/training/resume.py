@@ -46,6 +46,28 @@ RESUMABLE_CHANGES = (
 ADDED_SECTIONS = {"objective": ObjectiveConfig}
 
 
+def fit_world_size(saved: dict, recipe: Recipe, *, world_size: int) -> tuple[Recipe, str | None]:
+    """The recipe to continue a checkpoint's run with at `world_size` processes, and a line saying
+    what changed with the number of processes (None when it did not change).
+
+    A step keeps its packs (`micro_batch_size x grad_accum_steps x processes`): when the recipe keeps
+    the checkpoint's `grad_accum_steps` and the step's packs split evenly over the new processes, the
+    accumulation is set to match (2 processes x 1 continue as 1 x 2, and 1 x 2 as 2 x 1). A recipe
+    that sets another accumulation keeps it, for `check_resumable` to judge.
+    """
+    saved_world = saved.get("world_size", 1)
+    if saved_world == world_size:
+        return recipe, None
+    saved_accum = saved["recipe"]["train"]["grad_accum_steps"]
+    accum = recipe.train.grad_accum_steps
+    if accum == saved_accum and (saved_accum * saved_world) % world_size == 0:
+        accum = saved_accum * saved_world // world_size
+        recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, grad_accum_steps=accum))
+    packs = recipe.train.micro_batch_size * accum * world_size
+    return recipe, (f"written by {saved_world} process{'es' * (saved_world > 1)}, continued by {world_size}: "
+                    f"grad_accum_steps {saved_accum} -> {accum}, {packs} pack{'s' * (packs > 1)} a step")
+
+
 def check_resumable(saved: dict, recipe: Recipe, checkpoint: Path, *, world_size: int = 1) -> None:
     """Refuse, naming the keys, a recipe that changes the math of the checkpoint's run.
 

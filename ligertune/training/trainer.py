@@ -86,7 +86,7 @@ from ligertune.training.evaluation import evaluate, greedy_sample
 from ligertune.training.memory import CheckpointPlanner
 from ligertune.training.outputs import METRICS, SPIKES, Outputs
 from ligertune.training.precision import optimizer_memory
-from ligertune.training.resume import check_resumable
+from ligertune.training.resume import check_resumable, fit_world_size
 from ligertune.training.run import Run, RunInterrupted, StepStats, TrainingDiverged, TrainResult
 from ligertune.training.run_dir import check_output_dir
 from ligertune.training.step import next_batches, train_step
@@ -140,16 +140,18 @@ def setup(recipe: Recipe, console: Console, *, resume: str | Path | None = None,
         console = Console(quiet=True)
     output_dir = Path(recipe.output.dir)
 
-    def find() -> tuple[Path | None, dict | None]:
+    def find() -> tuple[Path | None, dict | None, Recipe, str | None]:
         if topology.is_main:
             check_output_dir(output_dir, resume=resume is not None, overwrite=recipe.output.overwrite)
         if resume is None:
-            return None, None
+            return None, None, recipe, None
         checkpoint, saved = find_checkpoint(output_dir, resume, notice=lambda text: console.print(text, markup=False))
-        check_resumable(saved, recipe, checkpoint, world_size=topology.world_size)
-        return checkpoint, saved
+        fitted, resized = fit_world_size(saved, recipe, world_size=topology.world_size)
+        check_resumable(saved, fitted, checkpoint, world_size=topology.world_size)
+        return checkpoint, saved, fitted, resized
 
-    checkpoint, saved = together(find)
+    checkpoint, saved, recipe, resized = together(find)
+    cfg = recipe.train
     torch.manual_seed(cfg.seed)
     # bf16 (or fp16) compute over float32 master weights, sharded; a LoRA base stays 16-bit.
     dtypes = fsdp_dtypes(recipe, device.type, sharded=topology.distributed and strategy(recipe) == "fsdp")
@@ -190,7 +192,7 @@ def setup(recipe: Recipe, console: Console, *, resume: str | Path | None = None,
     if checkpoint is not None:
         restore_checkpoint(run, checkpoint, saved)
         run.out.print(f"resumed from {checkpoint} at step {run.state.step} "
-                      f"(epoch {run.state.epoch}, pack {run.state.index})")
+                      f"(epoch {run.state.epoch}, pack {run.state.index})" + (f"; {resized}" if resized else ""))
     return run
 
 

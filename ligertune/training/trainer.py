@@ -65,6 +65,7 @@ from ligertune.training.build import (
     build_model,
     build_reference_model,
     build_run,
+    build_teacher_model,
     fsdp_dtypes,
     optimizer_warnings,
     packs_per_step,
@@ -164,12 +165,13 @@ def setup(recipe: Recipe, console: Console, *, resume: str | Path | None = None,
         if checkpoint is not None:
             load_model_weights(built.module, checkpoint)
         reference = build_reference_model(recipe, device=device, vocab_size=len(tokenizer), dtype=dtypes.model)
-        return tokenizer, data, built, reference
+        teacher = build_teacher_model(recipe, tokenizer, device=device, dtype=dtypes.compute or built.dtype)
+        return tokenizer, data, built, reference, teacher
 
-    tokenizer, data, built, reference_model = together(build)
+    tokenizer, data, built, reference_model, teacher_model = together(build)
     run = build_run(
         recipe, built.module, device=device, topology=topology, mixed_precision=dtypes.compute,
-        reference_model=reference_model,
+        reference_model=reference_model, teacher_model=teacher_model,
         total_steps=total_steps(cfg, len(data.train_packs), topology.world_size),
         tokenizer=tokenizer, data=data, output_dir=output_dir,
         meter=Throughput(device, clock, peak_tflops=cluster_peak_tflops(device, topology)),
@@ -493,6 +495,9 @@ def cleanup(run: Run) -> None:
         run.offload.remove()
     unpatch_lora(run.model)
     unpatch_model(run.model)
+    teacher = getattr(run.objective, "teacher", None)
+    if teacher is not None:
+        unpatch_model(teacher.module.model)
     run.out.close()
 
 
@@ -513,7 +518,7 @@ def peak_memory_gib(device: torch.device) -> float:
 
 def held_out_trend(metrics_path: Path, names: Sequence[str]) -> list[tuple[str, str]]:
     """`eval <name>: first -> last` for each of the held-out metrics `names` (a preference run's
-    rewards), from the run's metrics file."""
+    rewards; a distilled student's own loss and accuracy), from the run's metrics file."""
     records = [r for r in read_metrics(metrics_path) if "eval_loss" in r]
     rows = []
     for name in names:
@@ -535,9 +540,11 @@ def show_summary(run: Run, result: TrainResult) -> None:
         rows.append(("final train loss", f"{result.train_loss:.4f}"))
     if result.eval_losses:
         first, last = result.eval_losses[0][1], result.eval_losses[-1][1]
-        rows.append(("eval loss", f"{first:.4f} -> {last:.4f} ({last / first:.0%} of the first)"))
-    if run.recipe.objective.preference and run.topology.is_main:
-        watched = ("reward_accuracy", "reward_margin", "reward_desirable", "reward_undesirable")
+        share = f" ({last / first:.0%} of the first)" if first > 0 else ""
+        rows.append(("eval loss", f"{first:.4f} -> {last:.4f}{share}"))
+    if run.recipe.objective.name != "sft" and run.topology.is_main:
+        watched = ("reward_accuracy", "reward_margin", "reward_desirable", "reward_undesirable", "ce",
+                   "token_accuracy")
         rows += held_out_trend(run.output_dir / METRICS, [n for n in run.objective.held_out if n in watched])
     rows.append(("peak memory", f"{run_peak_memory_gib(run):.2f} GiB"))
     rows.append(("output", str(result.final_dir)))

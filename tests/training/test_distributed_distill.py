@@ -1,0 +1,47 @@
+"""Distillation over 2 gloo processes, the teacher sharded like the student: verify-loss deals the
+step out exactly, and a run stopped after a checkpoint and resumed logs the losses of one process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_distill import write_distill_recipe
+from test_distributed import ligertune
+
+from ligertune.metrics import read_metrics
+
+
+def test_verify_loss_deals_a_distillation_step_to_two_processes(tmp_path: Path):
+    path = write_distill_recipe(tmp_path, objective={"loss": "jsd", "alpha": 0.5})
+    result = ligertune("verify-loss", str(path), "--nproc", "2", "--samples", "6", "--json")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    sharded = [c for c in report["cases"] if c["name"].startswith("2 processes") and c["kind"] == "ligertune"]
+    assert len(sharded) == 4 and all(c["pass"] for c in sharded), sharded
+    assert report["pass"]
+
+
+def test_two_processes_distil_and_resume_as_one_process(tmp_path: Path):
+    path = write_distill_recipe(tmp_path, optim={"schedule": "constant", "lr": 1e-2},
+                                train={"max_steps": 4, "save_every": 2, "eval_every": 2,
+                                       "micro_batch_size": 2, "grad_accum_steps": 1})
+    two = tmp_path / "two"
+    result = ligertune("train", str(path), "--nproc", "2", "-o", str(two), "--set", "train.max_steps=3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = ligertune("train", str(path), "--nproc", "2", "-o", str(two), "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    one = tmp_path / "one"
+    result = ligertune("train", str(path), "-o", str(one), "--set", "train.grad_accum_steps=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    def steps(run: Path) -> list[dict]:
+        return [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+
+    assert [r["step"] for r in steps(two)] == [1, 2, 3, 4]
+    for mine, reference in zip(steps(two), steps(one), strict=True):
+        for key in ("loss", "divergence", "ce", "teacher_ce"):
+            assert mine[key] == pytest.approx(reference[key], rel=1e-5), (mine["step"], key)
+    evals = [r for r in read_metrics(two / "metrics.jsonl") if "eval_loss" in r]
+    assert evals and all("eval_teacher_accuracy" in r for r in evals)

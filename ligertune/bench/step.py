@@ -109,6 +109,9 @@ def run_step_bench(
     a preference recipe's in pairs, with ligertune, TRL and TRL + Liger (`bench.preference`)."""
     from ligertune.bench.preference import PreferenceStepBench, check_pair_options
 
+    if recipe.objective.name == "distill":
+        raise UserError("objective.name: bench step times sft and preference steps; a distillation step is not "
+                        "timed yet (`ligertune bench kernels` times its fused divergence)")
     check_pair_options(recipe, config)
     device, report = new_report(recipe, config, recipe_name, log)
     bench = PreferenceStepBench if recipe.objective.preference else StepBench

@@ -96,6 +96,13 @@ def test_bench_step_bad_recipe_is_one_clear_error(recipe_file):
     assert "micro_batch_size" in result.output  # the did-you-mean
 
 
+def test_bench_step_says_it_does_not_time_distillation(recipe_file):
+    result = CliRunner().invoke(app, ["step", str(recipe_file), "--set", "objective.name=distill",
+                                      "--set", "objective.teacher=somewhere"])
+    assert result.exit_code == 2
+    assert "objective.name" in result.output and "bench kernels" in result.output
+
+
 @pytest.mark.parametrize(
     "lengths, budget",
     [

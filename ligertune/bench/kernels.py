@@ -29,7 +29,15 @@ import torch
 from ligertune.bench.peers import NOT_INSTALLED, PEERS, Peer, find_peer, versions
 from ligertune.bench.problems import PROBLEMS, GemmFloor, Impl, Problem
 from ligertune.bench.results import KernelReport, KernelRow, describe_error
-from ligertune.bench.shapes import CPU_SHAPES, DEFAULT_KERNELS, GPU_SHAPES, KERNELS, SHAPE_DIMS, shape_label
+from ligertune.bench.shapes import (
+    CPU_SHAPES,
+    DEFAULT_KERNELS,
+    FLOP_RATED,
+    GPU_SHAPES,
+    KERNELS,
+    SHAPE_DIMS,
+    shape_label,
+)
 from ligertune.bench.timing import measure
 from ligertune.devices import device_name, release_memory, resolve_device, resolve_dtype
 from ligertune.errors import UserError
@@ -119,7 +127,7 @@ def run_kernel_bench(config: KernelBenchConfig, log: Callable[[str], None] = lam
     if peak_gbps is None and on_cuda:
         peak_gbps = spec_memory_gbps(torch.cuda.get_device_name(device))
     copy_rate = None
-    if on_cuda and any(k != "flce" for k in config.kernels):  # the rows rated in GB/s
+    if on_cuda and any(k not in FLOP_RATED for k in config.kernels):  # the rows rated in GB/s
         log(f"measuring a {COPY_BYTES >> 20} MiB device-to-device copy for the attainable bandwidth")
         copy_rate = copy_gbps(device)
         release_memory(device)  # its 2 GiB back before the first problem is drawn

@@ -14,7 +14,10 @@ Every implementation of a problem runs on the same inputs:
 
 and, for the fused loss only, ligertune with every option on (z-loss, label smoothing, token
 weights; accuracy is always computed), ligertune with a 120 MiB logits budget, and the floor: the
-three bare GEMMs of any linear + cross-entropy (h @ W.T, dlogits @ W, dlogits.T @ h).
+three bare GEMMs of any linear + cross-entropy (h @ W.T, dlogits @ W, dlogits.T @ h). The fused
+divergence (`divergence_problem`, distillation: the generalised JSD against a teacher) has the
+same rows but the options one and cce, with Liger's `LigerFusedLinearJSD` as its peer and four GEMMs
+as its floor (the teacher's logits too).
 
 Each problem also carries its reference (`ligertune.kernels.reference`, which the runner calls on
 the inputs cast to a higher precision) and the nominal work of one forward + backward, the same for
@@ -22,6 +25,8 @@ every row of a shape:
 
     fused loss:      6 N H V flops (forward logits 2NHV, the two backward products 4NHV), ignored
                      rows included: an implementation that skips them shows a higher rate
+    divergence:      8 N H V flops (the teacher's and the student's logits, the two backward
+                     products), ignored rows included, the teacher's hidden size being H
     rms_norm:        bytes of x, w, y (forward) + dy, x, w, dx, dw (backward)
     swiglu:          bytes of gate, up, y (forward) + dy, gate, up, dgate, dup (backward)
     rope:            bytes of q, k, cos, sin, q', k' (forward) + the same count backward
@@ -52,8 +57,11 @@ LOW_MEMORY_CHUNK_BYTES = 120 * 2**20
 Z_LOSS_WEIGHT = 1e-4
 LABEL_SMOOTHING = 0.1
 RMS_EPS = 1e-6
+JSD_BETA = 0.5
+"""The divergence problem's beta: the symmetric Jensen-Shannon divergence, Liger's default."""
 LIGERTUNE = "ligertune"
 FLOOR = "3 GEMMs (floor)"
+DIVERGENCE_FLOOR = "4 GEMMs (floor)"
 
 
 @dataclass
@@ -189,12 +197,15 @@ def _eager_flce(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tenso
 
 class GemmFloor:
     """The three products of any linear + cross-entropy, into preallocated outputs, without autograd:
-    logits = h @ W.T, grad_h = dlogits @ W, grad_W = dlogits.T @ h. Buffers are allocated by the
-    first (warm-up) call, so that they count neither in the time nor in the extra memory."""
+    logits = h @ W.T, grad_h = dlogits @ W, grad_W = dlogits.T @ h; with `teacher`, a fourth for a
+    distillation loss, the teacher's logits = ht @ Wt.T. Buffers are allocated by the first
+    (warm-up) call, so that they count neither in the time nor in the extra memory."""
 
     def __init__(self, n: int, h: int, v: int, device: torch.device, dtype: torch.dtype,
-                 gen: torch.Generator):
+                 gen: torch.Generator, *, teacher: bool = False):
         self.shapes = {"logits": (n, v), "dlogits": (n, v), "grad_h": (n, h), "grad_w": (v, h)}
+        if teacher:
+            self.shapes["teacher_logits"] = (n, v)
         self.device, self.dtype, self.gen = device, dtype, gen
         self.buffers: dict[str, torch.Tensor] = {}
 
@@ -210,6 +221,8 @@ class GemmFloor:
             )
         b = self.buffers
         hidden, weight = x["hidden"].detach(), x["weight"].detach()
+        if "teacher_logits" in b:
+            torch.mm(x["teacher_hidden"].detach(), x["teacher_weight"].detach().t(), out=b["teacher_logits"])
         torch.mm(hidden, weight.t(), out=b["logits"])
         torch.mm(b["dlogits"], weight, out=b["grad_h"])
         torch.mm(b["dlogits"].t(), hidden, out=b["grad_w"])
@@ -217,6 +230,81 @@ class GemmFloor:
 
     def release(self) -> None:
         self.buffers = {}
+
+
+def divergence_problem(dims: dict[str, int], device: torch.device, dtype: torch.dtype, seed: int) -> Problem:
+    """Distillation's fused loss at the fused cross-entropy's shapes: the student's and a teacher's
+    hidden states [N, H] and output layers [V, H] drawn as `flce_problem` draws them, 10% of the
+    targets ignored, and the generalised JSD with beta `JSD_BETA` at temperature 1, averaged over
+    the supervised rows.
+
+    That is the quantity of Liger-Kernel's `LigerFusedLinearJSD(jsd_beta, temperature)` given the
+    targets as its `shift_labels`: its kernel computes beta KL(P || M) + (1 - beta) KL(Q || M) with
+    M = beta P + (1 - beta) Q, P the teacher's softmax and Q the student's, both of the logits over
+    the temperature, not multiplied by its square, summed over the rows whose label is not
+    ignore_index and divided by their count (`liger_kernel/ops/jsd.py`, `fused_linear_jsd.py`).
+    Only at beta 0 and 1 do the two differ (Liger switches to a forward or reverse KL there).
+    """
+    n, h, v = dims["N"], dims["H"], dims["V"]
+    gen = _generator(device, seed)
+    hidden = _randn((n, h), gen=gen, device=device, dtype=dtype, grad=True)
+    weight = _randn((v, h), gen=gen, device=device, dtype=dtype, scale=2.0 / math.sqrt(h), grad=True)
+    teacher_hidden = _randn((n, h), gen=gen, device=device, dtype=dtype)
+    teacher_weight = _randn((v, h), gen=gen, device=device, dtype=dtype, scale=2.0 / math.sqrt(h))
+    targets = torch.randint(0, v, (n,), generator=gen, device=device)
+    ignored = torch.rand(n, generator=gen, device=device) < IGNORED_FRACTION
+    targets = targets.masked_fill(ignored, -100)
+    inputs = {"hidden": hidden, "weight": weight, "teacher_hidden": teacher_hidden,
+              "teacher_weight": teacher_weight, "targets": targets}
+
+    from ligertune import kernels
+    from ligertune.kernels import DivergenceOptions, reference
+
+    path = kernels.active_path(device)
+    jsd = dict(divergence="jsd", beta=JSD_BETA, temperature=1.0, reduction="mean")
+    options = DivergenceOptions(**jsd)
+    low_memory = DivergenceOptions(**jsd, chunk_bytes=LOW_MEMORY_CHUNK_BYTES)
+
+    def call(impl, x, opts=options):
+        return (impl(x["hidden"], x["weight"], x["teacher_hidden"], x["teacher_weight"], x["targets"],
+                     options=opts).loss,)
+
+    def liger(x):
+        from liger_kernel.transformers import LigerFusedLinearJSD
+
+        loss = LigerFusedLinearJSD(jsd_beta=JSD_BETA, temperature=1.0)
+        return (loss(x["hidden"], x["weight"], x["teacher_hidden"], x["teacher_weight"], x["targets"]),)
+
+    def eager(x):
+        return (_eager_jsd(x["hidden"], x["weight"], x["teacher_hidden"], x["teacher_weight"], x["targets"]),)
+
+    impls = [
+        Impl(f"{LIGERTUNE} ({path})", lambda x: call(kernels.fused_linear_divergence, x)),
+        Impl(f"{LIGERTUNE} low-mem ({LOW_MEMORY_CHUNK_BYTES >> 20} MiB chunks)",
+             lambda x: call(kernels.fused_linear_divergence, x, low_memory)),
+        Impl("torch eager", eager),
+        Impl("torch.compile", eager, compiled=True),
+        Impl("liger", liger, peer="liger"),
+        Impl(DIVERGENCE_FLOOR, GemmFloor(n, h, v, device, dtype, gen, teacher=True), manual=True),
+    ]
+    return Problem(
+        "divergence", dims, inputs, None, ("loss", "grad_hidden", "grad_weight"),
+        lambda x, _: call(reference.fused_linear_divergence, x), impls, flops=8.0 * n * h * v,
+    )
+
+
+def _eager_jsd(hidden, weight, teacher_hidden, teacher_weight, targets, beta: float = JSD_BETA
+               ) -> torch.Tensor:
+    """The generalised JSD as a plain PyTorch distillation loss computes it (the form of TRL's GKD
+    trainer): both logits in the input dtype, upcast, log-softmax, log M as a logsumexp, the two KL
+    terms by `kl_div`, averaged over the supervised rows."""
+    log_q = torch.log_softmax((hidden @ weight.t()).float(), dim=-1)
+    log_p = torch.log_softmax((teacher_hidden @ teacher_weight.t()).float(), dim=-1)
+    log_m = torch.logsumexp(torch.stack([log_p + math.log(beta), log_q + math.log(1.0 - beta)]), dim=0)
+    kl_p = F.kl_div(log_m, log_p, reduction="none", log_target=True).sum(dim=-1)
+    kl_q = F.kl_div(log_m, log_q, reduction="none", log_target=True).sum(dim=-1)
+    supervised = targets != -100
+    return ((beta * kl_p + (1.0 - beta) * kl_q) * supervised).sum() / supervised.sum().clamp(min=1)
 
 
 def rms_norm_problem(dims: dict[str, int], device: torch.device, dtype: torch.dtype, seed: int) -> Problem:
@@ -542,6 +630,7 @@ def _lion_errors(row: LionRow, device: torch.device, dtype: torch.dtype, seed: i
 
 
 PROBLEMS = {
-    "flce": flce_problem, "rms_norm": rms_norm_problem, "rope": rope_problem, "swiglu": swiglu_problem,
+    "flce": flce_problem, "divergence": divergence_problem, "rms_norm": rms_norm_problem,
+    "rope": rope_problem, "swiglu": swiglu_problem,
     "lion": lion_problem,
 }

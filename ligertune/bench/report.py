@@ -9,10 +9,12 @@ from typing import Any
 
 from rich.table import Table
 
+from ligertune.bench.shapes import FLOP_RATED
 from ligertune.errors import UserError
 
 KERNEL_TITLES = {
     "flce": "fused linear cross-entropy, forward + backward",
+    "divergence": "fused linear divergence (JSD, beta 0.5, against a teacher), forward + backward",
     "rms_norm": "RMSNorm, forward + backward",
     "rope": "rotary embedding (q and k), forward + backward",
     "swiglu": "SwiGLU, forward + backward",
@@ -54,7 +56,7 @@ def kernel_tables(report) -> list[Table]:
     for row in report.rows:
         groups.setdefault((row.kernel, row.shape), []).append(row)
     for (kernel, shape), rows in groups.items():
-        rate = "TFLOP/s" if kernel == "flce" else "GB/s"
+        rate = "TFLOP/s" if kernel in FLOP_RATED else "GB/s"
         title = f"{KERNEL_TITLES.get(kernel, kernel)}: {shape}, {report.dtype}"
         notes = [f"* {row.impl}: {_status_text(row)}" for row in rows if row.status != "ok"]
         table = Table(title=title, title_justify="left", title_style="bold",
@@ -72,7 +74,7 @@ def kernel_tables(report) -> list[Table]:
                 shares = [_percent(row.of_peak_bandwidth), _percent(row.of_copy_bandwidth)] if roofline else []
                 cells = [
                     fmt(timing.median_ms, ".4g"),
-                    fmt(row.tflops if kernel == "flce" else row.gbps, ".4g"),
+                    fmt(row.tflops if kernel in FLOP_RATED else row.gbps, ".4g"),
                     *shares,
                     fmt(extra, ".0f" if extra is not None and extra >= 10 else ".2g"),
                     fmt(row.vs_ligertune, ".2f", "x"),

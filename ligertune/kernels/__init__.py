@@ -10,14 +10,18 @@ import os
 
 import torch
 
-from ligertune.kernels.types import LossOptions, LossOutput
+from ligertune.kernels.types import DIVERGENCES, DivergenceOptions, DivergenceOutput, LossOptions, LossOutput
 
 __all__ = [
+    "DIVERGENCES",
+    "DivergenceOptions",
+    "DivergenceOutput",
     "LossOptions",
     "LossOutput",
     "active_path",
     "apply_rope",
     "fused_linear_cross_entropy",
+    "fused_linear_divergence",
     "lion_step",
     "rms_norm",
     "swiglu",
@@ -77,6 +81,31 @@ def fused_linear_cross_entropy(
         raise TypeError("fused_linear_cross_entropy takes the options as keywords or as options=, not both")
     impl = _impl("fused_linear_cross_entropy", hidden.device)
     return impl(hidden, weight, targets, bias=bias, token_weights=token_weights, options=options)
+
+
+def fused_linear_divergence(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None,
+    options: DivergenceOptions = DivergenceOptions(),
+) -> DivergenceOutput:
+    """Knowledge distillation without materializing the logits: the divergence of the student
+    (`hidden [N, H] @ weight [V, H].T + bias`) from the teacher (`teacher_hidden [N, Ht] @
+    teacher_weight [V, Ht].T + teacher_bias`), plus `options.ce_weight` times the student's
+    cross-entropy against `targets`, over the supervised rows; see `chunked_divergence`.
+
+    Differentiable w.r.t. hidden, weight and bias; the teacher's tensors are constants. D_t is not
+    multiplied by tau^2.
+    """
+    impl = _impl("fused_linear_divergence", hidden.device)
+    return impl(hidden, weight, teacher_hidden, teacher_weight, targets, bias=bias, teacher_bias=teacher_bias,
+                token_weights=token_weights, options=options)
 
 
 def rms_norm(x, weight, eps: float = 1e-6, offset: float = 0.0, casting: str | None = None):

@@ -146,6 +146,54 @@ def _chunk_rows(n_rows: int, vocab: int, bytes_per_logit: int, chunk_bytes: int)
     return rounded if rounded <= cap else rows
 
 
+class LinearGrads:
+    """The gradients of hidden, weight and bias of a chunked output layer, summed chunk by chunk from
+    each chunk's d loss / d logits (step 3 of the module docstring); shared with `chunked_divergence`.
+
+    `rows` indexes the supervised rows of `hidden` (None: all of them), `n_rows` counts them, and
+    `needs_grad` says which of the three gradients to form (None for the others).
+    """
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor | None, n_rows: int,
+                 needs_grad: tuple[bool, bool, bool]):
+        need_h, need_w, need_b = needs_grad
+        self.rows = rows
+        self.hidden = self.weight = self.bias = None
+        if need_h:
+            # Ignored rows get no gradient and are never written by the loop.
+            self.hidden = torch.empty_like(hidden) if rows is None else torch.zeros_like(hidden)
+        if need_w:
+            # The first chunk writes grad_w outright; only an empty pass leaves it to the zeros.
+            self.weight = torch.empty_like(weight) if n_rows > 0 else torch.zeros_like(weight)
+        if need_b:
+            self.bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
+
+    @property
+    def needed(self) -> bool:
+        return self.hidden is not None or self.weight is not None or self.bias is not None
+
+    def add(self, dlogits: torch.Tensor, h_c: torch.Tensor, weight: torch.Tensor, start: int, end: int
+            ) -> None:
+        """Add the chunk of supervised rows [start, end): grad_h rows, grad_W and grad_b terms."""
+        if self.hidden is not None:
+            if self.rows is None:
+                torch.mm(dlogits, weight, out=self.hidden[start:end])
+            else:
+                self.hidden.index_copy_(0, self.rows[start:end], dlogits @ weight)
+        if self.weight is not None:
+            if start == 0:
+                torch.mm(dlogits.t(), h_c, out=self.weight)
+            else:
+                self.weight.addmm_(dlogits.t(), h_c)
+        if self.bias is not None:
+            self.bias += dlogits.sum(dim=0, dtype=torch.float32)
+
+    def result(self, bias: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        """(grad_hidden, grad_weight, grad_bias), the bias gradient in the bias's dtype."""
+        grad_b = None if self.bias is None else self.bias.to(bias.dtype)
+        return self.hidden, self.weight, grad_b
+
+
 def _loss_pass(
     path: ChunkLoss,
     hidden: torch.Tensor,
@@ -169,21 +217,12 @@ def _loss_pass(
     n = targets.numel()
     vocab = weight.shape[0]
     device = hidden.device
-    need_h, need_w, need_b = needs_grad
-    compute_grad = need_h or need_w or need_b
+    grads = LinearGrads(hidden, weight, rows, n, needs_grad)
+    compute_grad = grads.needed
 
     loss_rows = torch.empty(n, dtype=torch.float32, device=device)
     z_rows = torch.empty(n, dtype=torch.float32, device=device)
     correct_rows = torch.empty(n, dtype=torch.int32, device=device)
-    grad_h = grad_w = grad_b = None
-    if need_h:
-        # Ignored rows get no gradient and are never written by the loop.
-        grad_h = torch.empty_like(hidden) if rows is None else torch.zeros_like(hidden)
-    if need_w:
-        # The first chunk writes grad_w outright; only an empty pass leaves it to the zeros.
-        grad_w = torch.empty_like(weight) if n > 0 else torch.zeros_like(weight)
-    if need_b:
-        grad_b = torch.zeros(vocab, dtype=torch.float32, device=device)
 
     bytes_per_logit = hidden.element_size() + 4 * path.float32_temporaries
     chunk = _chunk_rows(n, vocab, bytes_per_logit, options.chunk_bytes or FLCE_DEFAULT_CHUNK_BYTES)
@@ -208,25 +247,11 @@ def _loss_pass(
             grad_scale=grad_scale,
             compute_grad=compute_grad,
         )
-        if not compute_grad:
-            continue
-        # b_logits now holds d loss / d logits for the chunk.
-        if need_h:
-            if rows is None:
-                torch.mm(b_logits, weight, out=grad_h[start:end])
-            else:
-                grad_h.index_copy_(0, rows[start:end], b_logits @ weight)
-        if need_w:
-            if start == 0:
-                torch.mm(b_logits.t(), h_c, out=grad_w)
-            else:
-                grad_w.addmm_(b_logits.t(), h_c)
-        if need_b:
-            grad_b += b_logits.sum(dim=0, dtype=torch.float32)
+        if compute_grad:
+            # b_logits now holds d loss / d logits for the chunk.
+            grads.add(b_logits, h_c, weight, start, end)
 
-    if grad_b is not None:
-        grad_b = grad_b.to(bias.dtype)
-    return loss_rows, z_rows, correct_rows, grad_h, grad_w, grad_b
+    return loss_rows, z_rows, correct_rows, *grads.result(bias)
 
 
 def fused_linear_cross_entropy_fwd(
@@ -274,7 +299,8 @@ def scale_forward_grads(grads: tuple[torch.Tensor | None, ...] | None,
     far cheaper than a pass over the [V, H] weight gradient when it is 1, as it is for loss.backward().
     """
     if grads is None:
-        raise RuntimeError("fused_linear_cross_entropy supports one backward per forward")
+        raise RuntimeError("a fused loss of scalar reduction supports one backward per forward: its "
+                           "gradients were computed in the forward and handed out already")
     g = float(grad_loss)
     return tuple(t if t is None or g == 1.0 else t.mul_(g) for t in grads)
 

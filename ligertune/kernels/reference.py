@@ -9,15 +9,19 @@ The fused linear cross-entropy shares its chunk loop, row selection and autograd
 Triton path (`chunked_loss.py`); what is here is the per-chunk part in plain torch: the per-row
 formula `cross_entropy_rows` (which the unfused loss head also uses on whole logits) and its
 gradient. The tests hold both paths to an unchunked float64 definition, and the formula to
-`torch.nn.functional.cross_entropy`.
+`torch.nn.functional.cross_entropy`. The fused linear divergence is built the same way on
+`chunked_divergence.py`: what is here is `divergence_chunk`, one chunk's rows and gradient.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from ligertune.kernels.chunked_divergence import ChunkDivergence, chunked_linear_divergence
 from ligertune.kernels.chunked_loss import ChunkLoss, chunked_linear_cross_entropy
-from ligertune.kernels.types import LossOptions, LossOutput
+from ligertune.kernels.types import DivergenceOptions, DivergenceOutput, LossOptions, LossOutput
 
 # ---------------------------------------------------------------------------------------------
 # Fused linear cross-entropy
@@ -107,6 +111,128 @@ def fused_linear_cross_entropy(
     """
     return chunked_linear_cross_entropy(
         TORCH_CHUNK_LOSS, hidden, weight, targets, bias=bias, token_weights=token_weights, options=options
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused linear divergence (knowledge distillation)
+# ---------------------------------------------------------------------------------------------
+
+
+def _capped(z: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return z if softcap is None else softcap * torch.tanh(z / softcap)
+
+
+def _sum_weighted_log_ratio(prob: torch.Tensor, log_prob: torch.Tensor, log_other: torch.Tensor
+                            ) -> torch.Tensor:
+    """sum_v prob_v (log_prob_v - log_other_v) per row, a term with prob_v = 0 counted 0 (0 log 0 = 0,
+    and no 0 * inf where a logit is -inf); one [rows, V] temporary."""
+    return (log_prob - log_other).mul_(prob).masked_fill_(prob == 0, 0.0).sum(dim=1)
+
+
+def divergence_and_grad(
+    log_q: torch.Tensor, log_p: torch.Tensor, options: DivergenceOptions, *, compute_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """D_t of each row of the student's log Q and the teacher's log P [rows, V] (float32), and, with
+    `compute_grad`, tau d D_t / d z_s (the divergence's gradient before its 1 / tau); the formulas
+    are in `chunked_divergence`. At most four [rows, V] temporaries at once (jsd)."""
+    q = log_q.exp()
+    if options.divergence == "forward_kl":
+        p = log_p.exp()
+        d = _sum_weighted_log_ratio(p, log_p, log_q)
+        return d, (q.sub_(p) if compute_grad else None)
+    if options.divergence == "reverse_kl":
+        d = _sum_weighted_log_ratio(q, log_q, log_p)
+        if not compute_grad:
+            return d, None
+        g = (log_q - log_p).sub_(d[:, None]).mul_(q).masked_fill_(q == 0, 0.0)
+        return d, g
+    beta = options.beta
+    # log M = logsumexp(log beta + log P, log(1 - beta) + log Q): no sum of probabilities that may underflow.
+    log_m = log_p + math.log(beta)
+    torch.logaddexp(log_m, log_q + math.log1p(-beta), out=log_m)
+    kl_pm = _sum_weighted_log_ratio(log_p.exp(), log_p, log_m)
+    kl_qm = _sum_weighted_log_ratio(q, log_q, log_m)
+    g = None
+    if compute_grad:
+        g = (log_q - log_m).sub_(kl_qm[:, None]).mul_(q).mul_(1.0 - beta).masked_fill_(q == 0, 0.0)
+    return beta * kl_pm + (1.0 - beta) * kl_qm, g
+
+
+def divergence_chunk(
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    targets: torch.Tensor,
+    row_weights: torch.Tensor | None,
+    values: torch.Tensor,
+    correct: torch.Tensor,
+    *,
+    options: DivergenceOptions,
+    grad_scale: float,
+    compute_grad: bool,
+) -> None:
+    """The torch `ChunkDivergence.compute`: each row's terms in float32 and d loss / d r written over
+    `student` (see `ChunkDivergence`; the formulas are in `chunked_divergence`)."""
+    y = targets.long()[:, None]
+    alpha, inv_tau = options.ce_weight, 1.0 / options.temperature
+    z_s = _capped(student.float(), options.softcap)
+    z_t = _capped(teacher.float(), options.teacher_softcap)
+    lse_s = z_s.logsumexp(dim=1)
+    ce = lse_s - z_s.gather(1, y)[:, 0]
+    teacher_ce = z_t.logsumexp(dim=1) - z_t.gather(1, y)[:, 0]
+    correct[:, 0] = z_s.argmax(dim=1) == y[:, 0]
+    correct[:, 1] = z_t.argmax(dim=1) == y[:, 0]
+    log_p = torch.log_softmax(z_t * inv_tau, dim=1)
+    del z_t
+    log_q = torch.log_softmax(z_s * inv_tau, dim=1)
+    d, g = divergence_and_grad(log_q, log_p, options, compute_grad=compute_grad)
+    del log_p, log_q
+    w = torch.ones_like(d) if row_weights is None else row_weights
+    values[:, 0] = ((1.0 - alpha) * d + alpha * ce) * w
+    values[:, 1] = d * w
+    values[:, 2] = ce * w
+    values[:, 3] = teacher_ce * w
+    if not compute_grad:
+        return
+
+    coef = w * grad_scale
+    g.mul_(((1.0 - alpha) * inv_tau * coef)[:, None])
+    if alpha:
+        # alpha (softmax(z_s) - onehot(y)), the cross-entropy's share at temperature 1.
+        g.add_((z_s - lse_s[:, None]).exp_().mul_((alpha * coef)[:, None]))
+        g.scatter_add_(1, y, -(alpha * coef)[:, None])
+    if options.softcap is not None:
+        # z = c tanh(r / c), so dz/dr = 1 - tanh^2 = 1 - (z / c)^2 (z_s is the capped copy here).
+        g.mul_(z_s.div_(options.softcap).square_().neg_().add_(1.0))
+    student.copy_(g)
+
+
+# Beside the two logits buffers, at most seven float32 [rows, V] buffers at once (jsd with a
+# gradient): z_s, log P, log Q, then Q, log M and two more inside `divergence_and_grad`.
+TORCH_CHUNK_DIVERGENCE = ChunkDivergence(name="reference", compute=divergence_chunk, float32_temporaries=7)
+
+
+def fused_linear_divergence(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None,
+    options: DivergenceOptions = DivergenceOptions(),
+) -> DivergenceOutput:
+    """The student's divergence from the teacher (and its cross-entropy) from their final hidden
+    states and output layers, in torch.
+
+    The chunk loop of `chunked_divergence.chunked_linear_divergence` (semantics there) with
+    `divergence_chunk` on each chunk.
+    """
+    return chunked_linear_divergence(
+        TORCH_CHUNK_DIVERGENCE, hidden, weight, teacher_hidden, teacher_weight, targets,
+        bias=bias, teacher_bias=teacher_bias, token_weights=token_weights, options=options,
     )
 
 

@@ -1,12 +1,19 @@
-"""Small types shared by the kernels, their references and the loss head: loss options in, loss out."""
+"""Small types shared by the kernels, their references and the loss heads: loss options in, loss out."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 LOSS_REDUCTIONS = ("mean", "sum", "none")
+
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
+"""What `fused_linear_divergence` measures between the teacher's P and the student's Q: KL(P || Q),
+KL(Q || P), or the generalised Jensen-Shannon divergence of weight beta (`chunked_divergence`)."""
+
+DIVERGENCE_REDUCTIONS = ("sum", "mean")
 
 
 @dataclass(frozen=True)
@@ -67,4 +74,90 @@ class LossOutput:
     loss: torch.Tensor
     z_loss: torch.Tensor
     n_correct: torch.Tensor
+    n_tokens: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DivergenceOptions:
+    """Every option of the fused linear divergence (knowledge distillation), as one value.
+
+    Built once where the recipe is read and passed unchanged down to the kernel and its pure-torch
+    twin, as `LossOptions` is for the cross-entropy. D_t, CE_t and the reductions are defined in
+    `chunked_divergence`. A value that no path accepts raises `ValueError` here, naming the field.
+    """
+
+    divergence: str = "forward_kl"
+    """D_t, one of `DIVERGENCES`: "forward_kl" KL(P || Q) (mode covering), "reverse_kl" KL(Q || P)
+    (mode seeking), "jsd" beta KL(P || M) + (1 - beta) KL(Q || M), M = beta P + (1 - beta) Q."""
+
+    beta: float = 0.5
+    """The teacher's weight in the mixture M of "jsd", strictly inside (0, 1); 0.5 gives the symmetric
+    Jensen-Shannon divergence. Checked whatever the divergence, read by "jsd" only."""
+
+    temperature: float = 1.0
+    """tau > 0: P = softmax(teacher logits / tau), Q = softmax(student logits / tau). D_t is not
+    multiplied by tau^2 (Hinton et al. 2015 do, to keep the gradient's scale): the caller's to do."""
+
+    ce_weight: float = 0.0
+    """alpha in [0, 1]: the loss is (1 - alpha) D_t + alpha CE_t, CE_t the student's own next-token
+    cross-entropy at temperature 1."""
+
+    ignore_index: int = -100
+    """Target of a row that carries no loss (a prompt token, padding)."""
+
+    softcap: float | None = None
+    """c > 0: the student's logits are capped to c tanh(z / c) before everything else (Gemma 2's
+    `final_logit_softcapping`); None: no cap."""
+
+    teacher_softcap: float | None = None
+    """The same for the teacher's logits."""
+
+    reduction: str = "sum"
+    """"sum": sum_t w_t (...) over the supervised rows; "mean": that sum over their count (0 when
+    there are none). No per-row "none": the gradients are computed in the forward."""
+
+    chunk_bytes: int | None = None
+    """Memory budget of one chunk of rows (None: `FLCE_DEFAULT_CHUNK_BYTES`, 1 GiB) for its two
+    logits buffers and the path's temporaries. It changes the memory and the speed, not the values
+    beyond float summation order."""
+
+    def __post_init__(self) -> None:
+        if self.divergence not in DIVERGENCES:
+            raise ValueError(f"divergence must be one of {DIVERGENCES}; got {self.divergence!r}")
+        if not 0.0 < self.beta < 1.0:
+            raise ValueError(f"beta must lie strictly inside (0, 1); got {self.beta}")
+        if not 0.0 < self.temperature < math.inf:
+            raise ValueError(f"temperature must be > 0 and finite; got {self.temperature}")
+        if not 0.0 <= self.ce_weight <= 1.0:
+            raise ValueError(f"ce_weight must lie in [0, 1]; got {self.ce_weight}")
+        for name in ("softcap", "teacher_softcap"):
+            cap = getattr(self, name)
+            if cap is not None and not 0.0 < cap < math.inf:
+                raise ValueError(f"{name} must be > 0 and finite (or None); got {cap}")
+        if self.reduction not in DIVERGENCE_REDUCTIONS:
+            raise ValueError(f"reduction must be one of {DIVERGENCE_REDUCTIONS}; got {self.reduction!r}")
+        if self.chunk_bytes is not None and self.chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be > 0; got {self.chunk_bytes}")
+
+
+@dataclass
+class DivergenceOutput:
+    """What `fused_linear_divergence` returns, each term under the same row weights w_t and reduction.
+
+    loss:            sum_t w_t [(1 - alpha) D_t + alpha CE_t], float32, differentiable w.r.t. the
+                     student's hidden states, weight and bias.
+    divergence:      sum_t w_t D_t (reported, not differentiable).
+    ce:              sum_t w_t CE_t, the student's cross-entropy against the targets (reported).
+    teacher_ce:      sum_t w_t CE^teacher_t, the teacher's (reported).
+    n_correct:       supervised rows whose first argmax of the student's logits is the target (int64).
+    teacher_correct: the same for the teacher (int64).
+    n_tokens:        supervised rows, i.e. targets != ignore_index (int64).
+    """
+
+    loss: torch.Tensor
+    divergence: torch.Tensor
+    ce: torch.Tensor
+    teacher_ce: torch.Tensor
+    n_correct: torch.Tensor
+    teacher_correct: torch.Tensor
     n_tokens: torch.Tensor

@@ -13,13 +13,14 @@ import torch
 from typer.testing import CliRunner
 
 from ligertune.bench import kernels as bench_kernels
-from ligertune.bench.problems import Impl, swiglu_problem
-from ligertune.bench.shapes import parse_shape
+from ligertune.bench.problems import DIVERGENCE_FLOOR, Impl, divergence_problem, swiglu_problem
+from ligertune.bench.shapes import FLOP_RATED, parse_shape
 from ligertune.cli.bench import app
 from ligertune.errors import UserError
 
-TINY = ["--shapes", "flce:37x24x301", "--shapes", "rms_norm:19x40", "--shapes", "rope:2x9x4x2x8",
-        "--shapes", "swiglu:19x33"]
+TINY = ["--shapes", "flce:37x24x301", "--shapes", "divergence:37x24x301", "--shapes", "rms_norm:19x40",
+        "--shapes", "rope:2x9x4x2x8", "--shapes", "swiglu:19x33"]
+KERNELS = ("flce", "divergence", "rms_norm", "rope", "swiglu")
 ROW_KEYS = {"kernel", "shape", "dims", "impl", "status", "detail", "median_ms", "min_ms", "max_ms", "repeats",
             "extra_peak_mib", "tflops", "gbps", "of_peak_bandwidth", "of_copy_bandwidth", "vs_ligertune", "errors"}
 REPORT_KEYS = {"device", "device_type", "kernel_path", "dtype", "reference_dtype", "repeats", "warmup",
@@ -60,26 +61,32 @@ def test_json_holds_every_number_with_its_context(report):
     assert data["peak_gbps"] is None and data["copy_gbps"] is None  # a CPU: no roofline
     assert data["date"][:2] == "20"
     assert all(set(row) == ROW_KEYS for row in data["rows"])
-    assert {row["kernel"] for row in data["rows"]} == {"flce", "rms_norm", "rope", "swiglu"}
-    shapes = {row["shape"] for row in data["rows"]}
-    assert shapes == {"N37-H24-V301", "T19-H40", "B2-L9-Hq4-Hk2-D8", "T19-I33"}
+    assert {row["kernel"] for row in data["rows"]} == set(KERNELS)
+    shapes = {(row["kernel"], row["shape"]) for row in data["rows"]}
+    assert shapes == {("flce", "N37-H24-V301"), ("divergence", "N37-H24-V301"), ("rms_norm", "T19-H40"),
+                      ("rope", "B2-L9-Hq4-Hk2-D8"), ("swiglu", "T19-I33")}
 
 
 def test_measured_rows_carry_time_rate_speedup_and_small_errors(report):
     _, data = report
     measured = [row for row in data["rows"] if row["status"] == "ok"]
-    # ligertune (3 rows for the loss, 1 for each other kernel), eager for each, and the GEMM floor.
-    assert len(measured) == 3 + 3 + 4 + 1
+    # ligertune (3 rows for the loss, 2 for the divergence, 1 for each other kernel), eager for
+    # each, and the two GEMM floors.
+    assert len(measured) == 3 + 2 + 3 + 5 + 2
     for row in measured:
         assert row["median_ms"] > 0 and row["repeats"] == 2
-        assert (row["tflops"] if row["kernel"] == "flce" else row["gbps"]) > 0
+        assert (row["tflops"] if row["kernel"] in FLOP_RATED else row["gbps"]) > 0
         if row["impl"].startswith("ligertune ("):
             assert row["vs_ligertune"] == 1.0
-        if row["impl"] != "3 GEMMs (floor)":
+        if "floor" not in row["impl"]:
             # float32 against the float64 reference
             assert row["errors"] and all(0.0 <= e < 1e-5 for e in row["errors"].values()), row
-    flce_errors = next(r["errors"] for r in measured if r["impl"] == "ligertune (reference)")
-    assert set(flce_errors) == {"loss", "grad_hidden", "grad_weight"}
+    for kernel in FLOP_RATED:
+        ours = (kernel, "ligertune (reference)")
+        errors = next(r["errors"] for r in measured if (r["kernel"], r["impl"]) == ours)
+        assert set(errors) == {"loss", "grad_hidden", "grad_weight"}
+    floors = {r["kernel"]: r["impl"] for r in measured if "floor" in r["impl"]}
+    assert floors == {"flce": "3 GEMMs (floor)", "divergence": "4 GEMMs (floor)"}
     rope_errors = next(r["errors"] for r in measured if r["kernel"] == "rope")
     assert set(rope_errors) == {"q", "k", "grad_q", "grad_k"}
 
@@ -87,7 +94,7 @@ def test_measured_rows_carry_time_rate_speedup_and_small_errors(report):
 def test_absent_peers_and_compile_off_are_reported_not_raised(report):
     output, data = report
     by_impl = {(row["kernel"], row["impl"]): row for row in data["rows"]}
-    for kernel in ("flce", "rms_norm", "rope", "swiglu"):
+    for kernel in KERNELS:
         assert by_impl[(kernel, "liger")]["status"] == "not installed"
         assert by_impl[(kernel, "torch.compile")]["status"] == "skipped"
         assert by_impl[(kernel, "liger")]["median_ms"] is None
@@ -135,6 +142,7 @@ def test_user_mistakes_exit_2_with_one_line(args, message):
     "text, want",
     [
         pytest.param("flce:8192x4096x128256", ("flce", (8192, 4096, 128256)), id="flce"),
+        pytest.param("divergence:8192x4096x128256", ("divergence", (8192, 4096, 128256)), id="divergence"),
         pytest.param("rms-norm:7,13", ("rms_norm", (7, 13)), id="dash-and-comma"),
         pytest.param("rope:1x3x6x2x4", ("rope", (1, 3, 6, 2, 4)), id="rope"),
     ],
@@ -169,6 +177,25 @@ def test_a_row_that_writes_into_its_inputs_does_not_spoil_the_next():
     assert errors["vandal"] > 0.1
     assert errors["honest"] < 1e-6
     assert errors["ligertune (reference)"] < 1e-6
+
+
+def test_divergence_problem_floor_runs_the_teacher_product_too():
+    """The divergence problem's floor: the four products of a linear distillation loss, the teacher's
+    logits among them; its eager row computes the reference's quantity (the JSD at beta 0.5, averaged
+    over the supervised rows, which is what Liger's row computes)."""
+    problem = divergence_problem({"N": 23, "H": 16, "V": 101}, torch.device("cpu"), torch.float64, seed=2)
+    assert [impl.name for impl in problem.impls][-2:] == ["liger", DIVERGENCE_FLOOR]
+    assert problem.flops == 8.0 * 23 * 16 * 101
+    x = problem.inputs
+    floor = problem.impls[-1].run
+    floor(x)
+    torch.testing.assert_close(floor.buffers["teacher_logits"], x["teacher_hidden"] @ x["teacher_weight"].T)
+    torch.testing.assert_close(floor.buffers["logits"], x["hidden"].detach() @ x["weight"].detach().T)
+    eager = next(impl for impl in problem.impls if impl.name == "torch eager")
+    (want,) = problem.reference(x, "plain")
+    (got,) = eager.run(x)
+    assert (x["targets"] == -100).any() and want.item() > 0.0
+    torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-6, atol=0.0)
 
 
 def test_triton_interpreter_path_on_cpu(tmp_path):

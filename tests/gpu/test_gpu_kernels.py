@@ -7,6 +7,7 @@ of `gpu_testing`. The tests/kernels tests check the same kernels at small odd sh
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 from gpu_testing import assert_matches_reference
 
 from ligertune import kernels
-from ligertune.kernels import LossOptions, reference
+from ligertune.kernels import DivergenceOptions, LossOptions, reference
 
 pytestmark = pytest.mark.gpu
 
@@ -87,6 +88,45 @@ def test_fused_linear_cross_entropy_per_token_losses():
     upstream = {"loss": torch.rand(n, generator=generator(2), device="cuda")}
     assert_matches_reference(per_token(kernels.fused_linear_cross_entropy),
                              per_token(reference.fused_linear_cross_entropy), inputs, upstream)
+
+
+def divergence(impl, **options):
+    options = DivergenceOptions(**options)
+
+    def fn(hidden, weight, teacher_hidden, teacher_weight, targets, token_weights=None):
+        out = impl(hidden, weight, teacher_hidden, teacher_weight, targets, token_weights=token_weights,
+                   options=options)
+        return {field.name: getattr(out, field.name) for field in dataclasses.fields(out)}
+
+    return fn
+
+
+@pytest.mark.parametrize(
+    "n, h, v, dtype, options",
+    [
+        pytest.param(8192, 4096, 128256, BF16, dict(divergence="jsd", reduction="mean"),
+                     id="N8192-H4096-V128256-bf16-jsd"),
+        pytest.param(8192, 4096, 128256, BF16,
+                     dict(divergence="forward_kl", temperature=2.0, ce_weight=0.5, weighted=True),
+                     id="N8192-H4096-V128256-bf16-fkl-tau2-alpha0.5-weights"),
+        pytest.param(4096, 3584, 152064, BF16,
+                     dict(divergence="reverse_kl", softcap=30.0, teacher_softcap=30.0, chunk_bytes=64 * 2**20),
+                     id="N4096-H3584-V152064-bf16-rkl-softcap30-64MiB-chunks"),
+        pytest.param(4093, 2048, 32003, FP32,
+                     dict(divergence="jsd", beta=0.3, temperature=0.7, ce_weight=0.2, weighted=True),
+                     id="N4093-H2048-V32003-fp32-jsd-every-option"),
+    ],
+)
+def test_fused_linear_divergence(n, h, v, dtype, options):
+    """The student as `flce_inputs` draws it, a teacher of the same shape drawn alike (no gradient)."""
+    options = dict(options)
+    inputs = flce_inputs(n, h, v, dtype, weighted=options.pop("weighted", False))
+    gen = generator(3)
+    inputs["teacher_hidden"] = randn(gen, n, h, dtype=dtype, grad=False)
+    inputs["teacher_weight"] = randn(gen, v, h, dtype=dtype, scale=2.0 / math.sqrt(h), grad=False)
+    assert_matches_reference(divergence(kernels.fused_linear_divergence, **options),
+                             divergence(reference.fused_linear_divergence, **options), inputs,
+                             counts=("n_correct", "teacher_correct", "n_tokens"))
 
 
 @pytest.mark.parametrize("offset", [pytest.param(0.0, id="llama"), pytest.param(1.0, id="gemma")])

@@ -303,7 +303,9 @@ def launch(nproc: int, args: list[str], *, rendezvous: Rendezvous | None = None,
 
     A node that never joins, or a node 0 that never serves the rendezvous, is an `EnvironmentFault`
     naming the rendezvous and the missing node, raised on the nodes that wait, once
-    `rendezvous.timeout_s` has passed (`rendezvous_failure`)."""
+    `rendezvous.timeout_s` has passed (`rendezvous_failure`). A process that died during the run
+    (killed by a signal), or one that its peers found lost (`PeerWatch`), is `PeersLost`: one line for
+    this node (`lost_processes`); the processes themselves print nothing of it."""
     import logging
 
     from torch.distributed import DistError
@@ -317,7 +319,7 @@ def launch(nproc: int, args: list[str], *, rendezvous: Rendezvous | None = None,
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")
-    os.environ.update(env or {})
+    os.environ.update({LAUNCHER_REPORTS: "1", **(env or {})})
     if rendezvous is not None and rendezvous.node_rank != 0 and not rendezvous.wait_for_node_0():
         raise EnvironmentFault(rendezvous_failure(rendezvous, None))
     where = rendezvous.torchrun_args() if rendezvous is not None else ["--standalone"]
@@ -325,6 +327,12 @@ def launch(nproc: int, args: list[str], *, rendezvous: Rendezvous | None = None,
     try:
         run(parsed)
     except ChildFailedError as err:
+        where = (f"{rendezvous.describe()}, {rendezvous.nnodes} nodes" if rendezvous is not None
+                 else f"run of {nproc} processes")
+        lost = lost_processes(err.failures, where, world_size=nproc * (rendezvous.nnodes if rendezvous else 1),
+                              local_world_size=nproc)
+        if lost is not None:
+            raise lost from None
         codes = [failure.exitcode for _, failure in sorted(err.failures.items())]
         return next((c for c in codes if c and c > 0), 1)
     except SignalException as err:  # the agent stopped the processes on this signal
@@ -361,3 +369,251 @@ def rendezvous_failure(rendezvous: Rendezvous, err: BaseException | None) -> str
         which = f"{missing} of nodes 1 to {rendezvous.nnodes - 1}"
     return (f"{where}: {which} did not join {waited} ({present} of {rendezvous.nnodes} joined); start "
             f"each with its --node-rank and --rdzv-endpoint {rendezvous.endpoint}")
+
+
+# --------------------------------------------------------------------------------------------------
+# lost processes
+
+HEARTBEAT_S = 1.0
+"""How often each process of a run adds one to its counter in the run's store (the rendezvous's
+TCPStore). After a collective fails, a rank whose counter stands still for `HEARTBEAT_WINDOW` beats
+has stopped; one that is alive beats even while its main thread waits in a collective."""
+
+HEARTBEAT_WINDOW = 3
+
+LAUNCHER_REPORTS = "LIGERTUNE_LAUNCHER_REPORTS"
+"""Set by `launch` in its processes' environment: a process that finds ranks lost hands its line to
+the launcher (torch's error file) instead of printing it, and the launcher prints one line a node."""
+
+
+class PeersLost(EnvironmentFault):
+    """Processes of the run stopped (killed, crashed, their node gone): the one line that names the
+    run and the lost `ranks`."""
+
+    def __init__(self, message: str, ranks: Sequence[int]):
+        super().__init__(message)
+        self.ranks = sorted(ranks)
+
+
+def is_collective_failure(err: BaseException | None) -> bool:
+    """Whether `err` (or what it was raised from) is a collective or store operation that failed:
+    torch's `DistError`s, gloo's transport errors (a plain RuntimeError), either inside the
+    distributed checkpoint's exception."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, dist.DistError):
+            return True
+        if isinstance(err, CheckpointException):
+            return any(is_collective_failure(cause) for cause, _ in err.failures.values())
+        text = str(err)
+        if isinstance(err, RuntimeError) and any(sign in text for sign in _TRANSPORT_ERRORS):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+_TRANSPORT_ERRORS = ("gloo/transport", "Connection reset by peer", "Connection closed by peer")
+
+
+def describe_ranks(ranks: Sequence[int], *, world_size: int, local_world_size: int) -> str:
+    """"rank 1", "ranks 1, 3", or on several nodes "rank 9 (node 1)", "node 1 (ranks 8-15)"."""
+    def listed(chosen: Sequence[int]) -> str:
+        return f"rank {chosen[0]}" if len(chosen) == 1 else f"ranks {', '.join(map(str, chosen))}"
+
+    ranks = sorted(ranks)
+    if local_world_size < 1 or world_size % local_world_size or world_size == local_world_size:
+        return listed(ranks)
+    parts = []
+    for node in sorted({r // local_world_size for r in ranks}):
+        mine = [r for r in ranks if r // local_world_size == node]
+        first, last = node * local_world_size, (node + 1) * local_world_size - 1
+        if len(mine) == local_world_size and local_world_size > 1:
+            parts.append(f"node {node} (ranks {first}-{last})")
+        else:
+            parts.append(f"{listed(mine)} (node {node})")
+    return ", ".join(parts)
+
+
+def lost_line(where: str, ranks: Sequence[int], *, world_size: int, local_world_size: int,
+              fates: dict[int, str] | None = None, unknown: str = "stopped answering") -> str:
+    """One line naming the run (`where`) and the lost ranks, with what became of each where known
+    (`fates`: "killed by SIGKILL (pid 4242)"), else `unknown`."""
+    fates = fates or {}
+    text = f"{where}: lost {describe_ranks(ranks, world_size=world_size, local_world_size=local_world_size)}"
+    if len(ranks) == 1:
+        return f"{text}: {fates.get(ranks[0], unknown)}"
+    return f"{text}: " + ", ".join(f"rank {r} {fates.get(r, unknown)}" for r in sorted(ranks))
+
+
+def run_description(world_size: int, local_world_size: int, env: dict[str, str] | None = None) -> str:
+    """The run as a process of it names it: the rendezvous of its nodes (where they met, torchrun's
+    run id), or its processes on one machine."""
+    env = os.environ if env is None else env
+    nodes = world_size // local_world_size if local_world_size and not world_size % local_world_size else 1
+    if nodes <= 1:
+        return f"run of {world_size} processes"
+    run_id = env.get("TORCHELASTIC_RUN_ID")
+    where = f"rendezvous {env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}"
+    return f"{where}{f' (id {run_id})' if run_id else ''}, {nodes} nodes"
+
+
+class PeerWatch:
+    """A context in which this process beats its counter in the run's store every `interval_s`,
+    from a thread of its own, and in which a collective that fails because other processes stopped
+    becomes `PeersLost` naming them: the ranks whose counters stood still for `HEARTBEAT_WINDOW`
+    beats after the failure. When the store itself is gone, node 0 (which serves it) is the one lost.
+    A failure that no stopped rank explains goes on as it was. Nothing happens with one process.
+
+    The counters wait for the process group: the watch may open before it is joined, and must close
+    before it is destroyed."""
+
+    def __init__(self, topology: Topology, *, interval_s: float = HEARTBEAT_S):
+        self.topology = topology
+        self.interval_s = interval_s
+        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", topology.world_size))
+        self._stop = None
+        self._thread = None
+
+    def __enter__(self) -> PeerWatch:
+        import threading
+
+        if self.topology.distributed:
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._beat, name="ligertune-heartbeat", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, kind, err, traceback) -> None:
+        try:
+            if self._thread is not None and err is not None and is_collective_failure(err):
+                lost = self._diagnose()
+                if lost is not None:
+                    raise lost from err
+        finally:
+            if self._thread is not None:
+                self._stop.set()
+                self._thread.join()
+
+    def _beat(self) -> None:
+        key = _heartbeat_key(self.topology.rank)
+        while not self._stop.wait(self.interval_s):
+            if not dist.is_initialized():
+                continue
+            try:
+                _store().add(key, 1)
+            except (RuntimeError, OSError):  # the store is gone (torch's `DistError`s): `_diagnose` says so
+                return
+
+    def stopped_ranks(self) -> list[int] | None:
+        """The ranks whose counters stand still over the window (None: the store cannot be reached)."""
+        import time
+
+        world = self.topology.world_size
+        keys = [_heartbeat_key(rank) for rank in range(world)]
+        try:
+            store = _store()
+            before = [store.add(key, 0) for key in keys]
+            alive = {self.topology.rank}
+            deadline = time.monotonic() + HEARTBEAT_WINDOW * self.interval_s
+            while len(alive) < world and time.monotonic() < deadline:
+                time.sleep(self.interval_s / 4)
+                alive.update(r for r in range(world) if r not in alive and store.add(keys[r], 0) != before[r])
+        except (RuntimeError, OSError):  # torch's `DistError`s: the store no longer answers
+            return None
+        return [rank for rank in range(world) if rank not in alive]
+
+    def _diagnose(self) -> PeersLost | None:
+        """Which ranks stopped, as `PeersLost`; None when every rank is alive. SIGINT and SIGTERM wait
+        meanwhile: the launcher stops the processes of a node that lost one, and the answer is a
+        few seconds away."""
+        import signal
+        import threading
+
+        held = {}
+        if threading.current_thread() is threading.main_thread():
+            held = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            stopped = self.stopped_ranks()
+        finally:
+            for signum, handler in held.items():
+                signal.signal(signum, handler)
+        world, per_node = self.topology.world_size, self.local_world_size
+        where = run_description(world, per_node)
+        if stopped is None:
+            if self.topology.rank < per_node:  # node 0 serves the store: with it gone, this is not node 0
+                return None
+            node_0 = list(range(per_node))
+            return PeersLost(lost_line(where, node_0, world_size=world, local_world_size=per_node,
+                                       unknown="the store it serves no longer answers"), node_0)
+        if not stopped:
+            return None
+        return PeersLost(lost_line(where, stopped, world_size=world, local_world_size=per_node), stopped)
+
+
+def reports_lost(lost: PeersLost) -> bool:
+    """Whether this process prints the line about `lost` for its node: the lowest rank of the node
+    still running. None does when `launch` started the processes: the launcher prints it."""
+    if os.environ.get(LAUNCHER_REPORTS):
+        return False
+    topology = topology_from_environment()
+    per_node = max(int(os.environ.get("LOCAL_WORLD_SIZE", topology.world_size)), 1)
+    running = [r for r in range(topology.world_size) if r // per_node == topology.rank // per_node
+               and r not in lost.ranks]
+    return bool(running) and topology.rank == running[0]
+
+
+def hand_over(lost: PeersLost, line: str) -> None:
+    """Give the launcher this process's line about lost ranks, in the error file torch's agent reads
+    back from a failed process (`TORCHELASTIC_ERROR_FILE`) with the ranks beside it."""
+    import json
+    import time
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"message": line, "timestamp": int(time.time()), "lost_ranks": lost.ranks}, f)
+    except OSError:
+        pass
+
+
+def _heartbeat_key(rank: int) -> str:
+    return f"ligertune/heartbeat/{rank}"
+
+
+def _store():
+    """The process group's store: the rendezvous's TCPStore (served by node 0's launcher, or by rank
+    0 when srun started the processes)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def lost_processes(failures: dict, where: str, *, world_size: int, local_world_size: int) -> PeersLost | None:
+    """This node's line about the run's lost processes, from torch's record of its failed ones
+    (`ChildFailedError.failures`: global rank -> `ProcessFailure`): each killed by a signal other than
+    the SIGTERM or SIGINT that stops the others, and each rank that a process of this node found lost
+    (its error file, `hand_over`). What this node saw of a lost rank (its signal or exit code, its pid)
+    is said; None when no process was lost (a process that failed has printed its own error)."""
+    import signal
+
+    lost, fates = set(), {}
+    for rank, failure in failures.items():
+        if failure.exitcode < 0 and -failure.exitcode not in (signal.SIGTERM, signal.SIGINT):
+            lost.add(rank)
+        data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
+        lost.update(int(r) for r in data.get("lost_ranks", ()))
+    if not lost:
+        return None
+    for rank in lost & failures.keys():
+        failure = failures[rank]
+        try:
+            how = f"killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0 else \
+                f"exited with code {failure.exitcode}"
+        except ValueError:
+            how = f"killed by signal {-failure.exitcode}"
+        fates[rank] = f"{how} (pid {failure.pid})"
+    return PeersLost(lost_line(where, sorted(lost), world_size=world_size, local_world_size=local_world_size,
+                               fates=fates, unknown="stopped answering"), sorted(lost))

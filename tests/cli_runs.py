@@ -80,3 +80,28 @@ def assert_resume_continues_the_run(recipe: Path, run_dir: Path, *, processes: i
         assert after["loss"] == pytest.approx(before["loss"], rel=loss_rtol, abs=0), after["step"]
         assert after["grad_norm"] == pytest.approx(before["grad_norm"], rel=grad_norm_rtol, abs=0), after["step"]
     return straight_final
+
+
+def process_of_rank(launcher: subprocess.Popen, rank: int) -> int:
+    """The PID of the process of `rank` (its `RANK` variable) that `launcher` started, found among its
+    descendants in /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = [], [launcher.pid]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            todo.append(pid)
+            try:
+                variables = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in variables and b"ligertune" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+    assert len(found) == 1, f"processes of rank {rank} under {launcher.pid}: {found}"
+    return found[0]

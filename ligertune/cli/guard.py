@@ -51,13 +51,14 @@ def guarded(fn: Callable, *, uses_torch: bool = False) -> Callable:
     return wrapper
 
 
-def print_error(err: BaseException | str) -> None:
+def print_error(err: BaseException | str, *, every_rank: bool = False) -> None:
     """Each line of the message after a red `error:`, printed literally (never read as rich markup:
-    messages echo paths, keys and data that may hold brackets)."""
+    messages echo paths, keys and data that may hold brackets). With several processes, rank 0's
+    only, unless `every_rank` (the caller chose the process that speaks)."""
     # Imported here, not at the top: `distributed` imports torch, and every command imports this module.
     from ligertune.distributed import is_main_process
 
-    if not is_main_process():  # with several processes every rank fails alike; rank 0 says why
+    if not (every_rank or is_main_process()):  # with several processes every rank fails alike; rank 0 says why
         return
     console = Console(stderr=True, highlight=False, soft_wrap=True)
     for line in str(err).splitlines() or [type(err).__name__]:

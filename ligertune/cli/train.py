@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from ligertune.cli.guard import debug_enabled, print_error
 from ligertune.cli.interrupts import INTERRUPTS, report_interrupted
 from ligertune.cli.options import (
     NnodesOpt,
@@ -22,7 +23,7 @@ from ligertune.cli.options import (
     RecipeArg,
     SetOpt,
 )
-from ligertune.errors import UserError
+from ligertune.errors import EnvironmentFault, UserError
 
 RESUME_COMMAND_VARIABLE = "LIGERTUNE_RESUME_COMMAND"
 """How the launcher tells its processes the command that continues the run (printed on Ctrl-C)."""
@@ -62,7 +63,7 @@ def train(
 
     Example: [bold]ligertune train recipes/quickstart.yaml --set optim.lr=1e-3 --max-steps 50[/]
     """
-    from ligertune.distributed import Rendezvous, is_main_process, launch
+    from ligertune.distributed import PeersLost, Rendezvous, hand_over, is_main_process, launch, reports_lost
     from ligertune.recipe import load_recipe
     from ligertune.slurm import slurm_step
     from ligertune.training import RunInterrupted
@@ -120,15 +121,27 @@ def train(
         resume_command = shlex.join(["ligertune", *command, *launch_options,
                                      *(["--nproc", str(nproc)] if nproc > 1 else []), "--resume"])
     if not started and (nproc > 1 or rendezvous is not None):
-        load_recipe(recipe, overrides)  # a mistake in the recipe is reported once, before any process starts
+        checked = load_recipe(recipe, overrides)  # a mistake in the recipe is reported once, before any process starts
         resuming = ["--resume", *([str(checkpoint)] if checkpoint else [])] if resume else []
-        raise typer.Exit(launch(nproc, [*command, *resuming], rendezvous=rendezvous,
-                                env={RESUME_COMMAND_VARIABLE: resume_command}))
+        try:
+            code = launch(nproc, [*command, *resuming], rendezvous=rendezvous,
+                          env={RESUME_COMMAND_VARIABLE: resume_command})
+        except PeersLost as lost:  # this node's one line: its processes said nothing of it
+            raise EnvironmentFault(after_lost(lost, Path(checked.output.dir), resume_command)) from None
+        raise typer.Exit(code)
     console = Console()
     try:
-        run_training(load_recipe(recipe, overrides), console=console,
-                     resume=(checkpoint or "latest") if resume else None,
+        loaded = load_recipe(recipe, overrides)
+        run_training(loaded, console=console, resume=(checkpoint or "latest") if resume else None,
                      resume_command=resume_command)
+    except PeersLost as lost:  # another process of the run stopped
+        line = after_lost(lost, Path(loaded.output.dir), resume_command)
+        hand_over(lost, line)
+        if debug_enabled():
+            raise
+        if reports_lost(lost):
+            print_error(line, every_rank=True)
+        raise typer.Exit(1) from None
     except RunInterrupted as stop:
         if is_main_process():
             Console(stderr=True, highlight=False).print(str(stop), markup=False)
@@ -137,3 +150,15 @@ def train(
         code = report_interrupted(err, "nothing half-written was left (the last complete checkpoint, if any, "
                                        "is intact)")
         raise typer.Exit(code) from None
+
+
+def after_lost(lost: BaseException, output_dir: Path, resume_command: str) -> str:
+    """The line about lost processes, with what is left to continue from: the last checkpoint (a
+    checkpoint is published only once complete, so a failure while saving leaves the one before)
+    and the command that resumes it."""
+    from ligertune.training.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(output_dir)
+    if latest is None:
+        return f"{lost}; no checkpoint was written in {output_dir}"
+    return f"{lost}; the last checkpoint {latest} is intact; resume with: {resume_command}"

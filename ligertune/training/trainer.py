@@ -33,6 +33,7 @@ from rich.console import Console
 
 from ligertune.devices import synchronize
 from ligertune.distributed import (
+    PeerWatch,
     Topology,
     all_reduce_max,
     barrier,
@@ -103,23 +104,27 @@ def train(
     clock: Clock = time.perf_counter,
 ) -> TrainResult:
     """Train the recipe's model on its data; write metrics, checkpoints and the final model to
-    `output.dir`. `resume` ("latest" or a checkpoint path) continues an earlier run exactly."""
+    `output.dir`. `resume` ("latest" or a checkpoint path) continues an earlier run exactly. With
+    several processes, one that stops during the run (killed, crashed, its node gone) ends the others
+    with `PeersLost` naming it; the last checkpoint stays complete."""
     console = console or Console(stderr=False)
     transformers.utils.logging.disable_progress_bar()  # the run has its own display
     try:
-        run = setup(recipe, console, resume=resume, clock=clock)
-        if resume_command:
-            run.resume_command = resume_command
-        try:
-            with StopSignals() as stop:
-                result = train_loop(run, stop)
-            # Every rank past its last collective: the communication threads have let go of the
-            # collectives' tensors before the process exits. (With gloo, a thread still releasing
-            # one while Python shuts down aborts the finished process.)
-            barrier()
-            return result
-        finally:
-            cleanup(run)
+        # A collective that fails because another process stopped is `PeersLost`, naming it.
+        with PeerWatch(topology_from_environment()):
+            run = setup(recipe, console, resume=resume, clock=clock)
+            if resume_command:
+                run.resume_command = resume_command
+            try:
+                with StopSignals() as stop:
+                    result = train_loop(run, stop)
+                # Every rank past its last collective: the communication threads have let go of the
+                # collectives' tensors before the process exits. (With gloo, a thread still releasing
+                # one while Python shuts down aborts the finished process.)
+                barrier()
+                return result
+            finally:
+                cleanup(run)
     finally:
         destroy_process_group()
 

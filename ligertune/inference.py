@@ -9,13 +9,16 @@ What a path may be (`locate_model`):
 
     runs/x                          a run (recipe.yaml): its final/
     runs/x/final                    a full model (config.json + weights) or LoRA adapters
-                                    (adapter_config.json)
+                                    (adapter_config.json), with any Medusa heads beside them; or
+                                    Medusa heads alone over an unchanged base (base_model.json)
     runs/x/checkpoints/step-000100  the same files at the top of a checkpoint
     any/folder                      any Hugging Face model folder, or a peft adapter folder whose
                                     adapter_config.json names a local base model
 
 LoRA adapters are applied to the base model the run's recipe describes (`model.name_or_path`, or
-`model.config` rebuilt with the same random weights under `train.seed`).
+`model.config` rebuilt with the same random weights under `train.seed`); Medusa heads trained over a
+frozen model come with that base, built the same way (`ligertune.models.medusa.load_heads` reads the
+heads of `model_dir`).
 
 What is trusted: weights are read as data only (safetensors, or torch files with `weights_only`),
 each checked before use (`ligertune.weights`). Code shipped with a model (an `auto_map` in its
@@ -40,6 +43,7 @@ from transformers import GenerationConfig, TextStreamer
 
 from ligertune.devices import resolve_device, resolve_dtype
 from ligertune.errors import UserError, first_line
+from ligertune.models.medusa import BASE_NOTE, read_base_note
 from ligertune.recipe import ModelConfig, Recipe
 from ligertune.training.checkpoint import checkpoint_steps
 from ligertune.training.run_dir import CHECKPOINTS
@@ -69,12 +73,15 @@ class ModelSource:
     """The run (folder with recipe.yaml) that wrote `model_dir`, when there is one."""
     adapters: bool
     """True when `model_dir` holds LoRA adapters rather than a whole model."""
+    frozen_base: bool = False
+    """True when `model_dir` holds Medusa heads trained over a frozen model (`base_model.json`): the
+    model is their base, unchanged, loaded as the adapters' base is."""
     trust_remote_code: bool = False
     """Code shipped with the model may run: the choice of the person at the command line
     (`--trust-remote-code`), never of the run's recipe."""
 
     def describe(self) -> str:
-        kind = "LoRA adapters" if self.adapters else "model"
+        kind = "LoRA adapters" if self.adapters else "Medusa heads over their base" if self.frozen_base else "model"
         return f"{kind} in {self.model_dir}"
 
 
@@ -98,8 +105,10 @@ def locate_model(path: Path, *, trust_remote_code: bool = False) -> ModelSource:
             f"{path}: holds no model: expected a run (recipe.yaml and final/), a checkpoint "
             f"(checkpoints/step-N) or a Hugging Face model folder ({MODEL_CONFIG} or {ADAPTER_CONFIG})"
         )
-    return ModelSource(path=path, model_dir=model_dir, run_dir=_run_of(model_dir),
-                       adapters=(model_dir / ADAPTER_CONFIG).is_file(), trust_remote_code=trust_remote_code)
+    adapters = (model_dir / ADAPTER_CONFIG).is_file()
+    return ModelSource(path=path, model_dir=model_dir, run_dir=_run_of(model_dir), adapters=adapters,
+                       trust_remote_code=trust_remote_code,
+                       frozen_base=not adapters and not (model_dir / MODEL_CONFIG).is_file())
 
 
 def run_recipe(source: ModelSource) -> Recipe | None:
@@ -146,11 +155,11 @@ def check_remote_code(source: ModelSource, recipe: Recipe | None) -> None:
 
 
 def _base_folder(source: ModelSource, recipe: Recipe | None) -> Path | None:
-    """The local folder of the adapters' base model: none for a whole model, a base built from a
-    config or a hub id."""
-    if not source.adapters:
+    """The local folder of the adapters' (or frozen-base Medusa heads') base model: none for a whole
+    model, a base built from a config or a hub id."""
+    if not source.adapters and not source.frozen_base:
         return None
-    return _local_folder(recipe.model.name_or_path if recipe is not None else _adapters_base(source))
+    return _local_folder(recipe.model.name_or_path if recipe is not None else _named_base(source))
 
 
 def _tokenizer_folder(source: ModelSource, recipe: Recipe | None) -> Path | None:
@@ -184,7 +193,7 @@ def _is_run(folder: Path) -> bool:
 
 
 def _holds_model(folder: Path) -> bool:
-    return (folder / ADAPTER_CONFIG).is_file() or (folder / MODEL_CONFIG).is_file()
+    return any((folder / name).is_file() for name in (ADAPTER_CONFIG, MODEL_CONFIG, BASE_NOTE))
 
 
 def _holds_tokenizer(folder: Path) -> bool:
@@ -245,13 +254,20 @@ def base_model_config(source: ModelSource, recipe: Recipe | None) -> tuple[Model
     Remote code is trusted as `source` says (`run_recipe` has set the recipe's so)."""
     if recipe is not None:
         return dataclasses.replace(recipe.model, attention="sdpa"), recipe.train.seed
-    base = _adapters_base(source)
+    base = _named_base(source)
     if not base:
+        what, note = ("LoRA adapters", ADAPTER_CONFIG) if source.adapters else ("Medusa heads", BASE_NOTE)
         raise UserError(
-            f"{source.path}: LoRA adapters without their base model: no run recipe.yaml above them and "
-            f"no base_model_name_or_path in {ADAPTER_CONFIG}"
+            f"{source.path}: {what} without their base model: no run recipe.yaml above them and "
+            f"no base_model_name_or_path in {note}"
         )
     return ModelConfig(name_or_path=base, attention="sdpa", trust_remote_code=source.trust_remote_code), 0
+
+
+def _named_base(source: ModelSource) -> str | None:
+    """The base model that the folder's own files name: adapter_config.json's, or base_model.json's
+    for Medusa heads over a frozen model."""
+    return _adapters_base(source) if source.adapters else read_base_note(source.model_dir)
 
 
 def _adapters_base(source: ModelSource) -> str | None:
@@ -293,6 +309,16 @@ def load_base_with_adapters(source: ModelSource, *, device: torch.device, dtype:
     return model.to(device).eval()
 
 
+def load_base_model(source: ModelSource, *, device: torch.device, dtype: torch.dtype, tokenizer,
+                    recipe: Recipe | None):
+    """The unchanged base model of Medusa heads trained over a frozen model (eval mode): the run's
+    recipe's model, built as the adapters' base is (`base_model_config`)."""
+    from ligertune.models import build_model
+
+    model_cfg, seed = base_model_config(source, recipe)
+    return build_model(model_cfg, device=device, dtype=dtype, seed=seed, vocab_size=len(tokenizer)).to(device).eval()
+
+
 def load_full_model(model_dir: Path, *, device: torch.device, dtype: torch.dtype,
                     trust_remote_code: bool = False):
     """A whole model folder through `from_pretrained` (eval mode)."""
@@ -327,6 +353,8 @@ def load_for_inference(path: Path, *, device: str = "auto", dtype: str = "auto",
                                         tokenizer=tokenizer, recipe=recipe)
         if merge_adapters and not (recipe is not None and recipe.model.quantization is not None):
             model = model.merge_and_unload()
+    elif source.frozen_base:
+        model = load_base_model(source, device=torch_device, dtype=torch_dtype, tokenizer=tokenizer, recipe=recipe)
     else:
         model = load_full_model(source.model_dir, device=torch_device, dtype=torch_dtype,
                                 trust_remote_code=source.trust_remote_code)

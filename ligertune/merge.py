@@ -14,6 +14,7 @@ compared with those of base + adapters: a merge that does not reproduce them is 
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import torch
 from ligertune.devices import DTYPES, release_memory, resolve_device, resolve_dtype
 from ligertune.errors import UserError
 from ligertune.files import write_atomic_dir
+from ligertune.models.medusa import CONFIG_FILE, HEADS_FILE
 from ligertune.inference import (
     MODEL_CONFIG,
     ModelSource,
@@ -109,9 +111,14 @@ def merge_adapters(
     `dtype` is the dtype of the written weights: `auto` keeps the base model's own (the recipe's
     `model.dtype` when set, else a pretrained base's checkpoint dtype, else float32). Raises
     `UserError` for a path without adapters and `MergeCheckError` when the check fails (nothing is
-    written then). Code shipped with the base model runs only with `trust_remote_code`.
+    written then). Code shipped with the base model runs only with `trust_remote_code`. Medusa heads
+    trained with the adapters (`objective.backbone: lora`) are copied beside the merged model: they
+    read its last hidden states, which merging leaves as they were.
     """
     source = locate_model(path, trust_remote_code=trust_remote_code)
+    if source.frozen_base:
+        raise UserError(f"{path}: no LoRA adapters to merge: {source.model_dir} holds Medusa heads trained over "
+                        "an unchanged base model, which `chat` loads with them as they are")
     if not source.adapters:
         raise UserError(
             f"{path}: no LoRA adapters to merge: {source.model_dir} holds a whole model "
@@ -154,6 +161,9 @@ def merge_adapters(
         nonlocal merged, rel_error
         merged.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        for name in (HEADS_FILE, CONFIG_FILE):  # Medusa heads trained with the adapters read the merged model as well
+            if (source.model_dir / name).is_file():
+                shutil.copyfile(source.model_dir / name, tmp / name)
         merged = None
         release_memory(torch_device)
         # What a user will load, read back from disk; upcast so that the check sees only the

@@ -126,6 +126,10 @@ class LossAndGrads:
 def verify_loss(recipe: Recipe, *, samples: int = 8, modes: Sequence[str] = ("token", "sequence")) -> Report:
     """Run every case of the module docstring for each mode; see `Report.passed`."""
     build_objective(recipe)  # an objective the trainer cannot run yet is refused before anything loads
+    if recipe.objective.name == "medusa":
+        raise UserError("objective.name: verify-loss does not check Medusa heads yet (it would check the model's "
+                        "own next-token loss only); each head's loss is SFT's over targets shifted inside each "
+                        "conversation, normalised as docs/medusa.md says")
     if recipe.objective.preference:
         from ligertune.verify_preference import verify_preference_loss
 

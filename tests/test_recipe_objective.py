@@ -46,6 +46,7 @@ def test_a_recipe_without_the_section_is_sft_with_nothing_else_set():
         "name": "sft", "beta": None, "label_smoothing": 0.0, "gamma": None, "orpo_lambda": None,
         "desirable_weight": 1.0, "undesirable_weight": 1.0, "reference": "auto", "teacher": None,
         "loss": "forward_kl", "temperature": 1.0, "alpha": 0.0, "teacher_quantization": None,
+        "heads": 4, "head_layers": 1, "head_weights": None, "backbone": "frozen", "lm_weight": 1.0,
     }
     assert not recipe.objective.preference and not recipe.objective.uses_reference
     # Writing the section with its defaults, or not at all, is one recipe.
@@ -116,7 +117,7 @@ def test_every_setting_of_dpo_at_once():
         ({"name": "kto", "reference": "none"}, "objective.reference: kto measures its reward against a reference"),
         ({"name": "simpo", "reference": "live"}, "objective.reference: simpo is reference-free"),
         ({"name": "orpo", "reference": "precomputed"}, "objective.reference: orpo is reference-free"),
-        ({"name": "dp"}, "objective.name: must be one of sft, dpo, ipo, simpo, orpo, kto, distill, got 'dp'; "
+        ({"name": "dp"}, "objective.name: must be one of sft, dpo, ipo, simpo, orpo, kto, distill, medusa, got 'dp'; "
                          "did you mean `dpo`?"),
         ({"name": "dpo", "beta": "high"}, "objective.beta: expected a number, got 'high'"),
     ],

@@ -54,7 +54,7 @@ def validate(recipe: RecipeArg, set_: SetOpt = None) -> None:
                       f"(bitsandbytes {bitsandbytes.__version__})")
     data = build_data(loaded, tokenizer, show_progress=False)
     stats = data.prepared.stats
-    units = {"sft": "conversations", "kto": "examples"}.get(loaded.objective.name, "pairs")
+    units = loaded.objective.units  # conversations (sft, distill, medusa), examples (kto) or pairs
     console.print(
         f"[green]ok[/] data: {len(data.train_examples)} train and {len(data.prepared.eval)} eval "
         f"{units}, {len(data.train_packs)} packs ({stats.summary()})"

@@ -12,8 +12,10 @@ gathered there, by the hooks of the module that owns it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,7 +33,19 @@ from ligertune.models.attention import (
 from ligertune.models.unwrap import decoder_of, output_head_of, plain_projection, unwrap_model
 
 if TYPE_CHECKING:
+    from ligertune.models.medusa import MedusaHeads
     from ligertune.objectives.preference import AnswerLogps
+
+
+@dataclass
+class MedusaLossOutput:
+    """The losses of one forward with Medusa heads (`CausalLMLoss.forward` with `medusa_targets`):
+    the model's own next-token loss (`lm`: no gradient over a frozen model) and each head's
+    (`heads[k - 1]`: head k's targets, k places after the model's own), each a `LossOutput` under the
+    head's loss options and the weights given."""
+
+    lm: LossOutput
+    heads: list[LossOutput]
 
 
 def causal_lm_loss_from_logits(
@@ -152,6 +166,12 @@ class CausalLMLoss(nn.Module):
     def __init__(self, model: nn.Module, *, fused: bool = True, options: LossOptions | None = None):
         super().__init__()
         self.model = model
+        self.medusa: MedusaHeads | None = None
+        """Medusa heads trained with the model (`attach_medusa`): a submodule, so that a sharded run
+        gathers their weights in this module's forward, where their losses run."""
+        self.frozen_backbone = False
+        """Whether the decoder runs without gradient under the heads (Medusa-1)."""
+        self.fused_heads = bool(fused)
         softcap = final_logit_softcap(model)
         if options is None:
             options = LossOptions(reduction="sum", softcap=softcap)
@@ -189,7 +209,9 @@ class CausalLMLoss(nn.Module):
         teacher_weight: torch.Tensor | None = None,
         teacher_bias: torch.Tensor | None = None,
         divergence: DivergenceOptions | None = None,
-    ) -> LossOutput | AnswerLogps | DivergenceOutput:
+        medusa_targets: torch.Tensor | None = None,
+        medusa_weights: torch.Tensor | None = None,
+    ) -> LossOutput | AnswerLogps | DivergenceOutput | MedusaLossOutput:
         """Loss of `targets` [B, L] (already shifted: targets[t] is the token after input_ids[t];
         `options.ignore_index` where there is no loss) given `input_ids` [B, L].
 
@@ -207,6 +229,11 @@ class CausalLMLoss(nn.Module):
         With `teacher_hidden` (a teacher's last hidden states of the same tokens, [B * L, Ht]),
         `teacher_weight`, `teacher_bias` (its output layer) and `divergence` (the options), the loss
         is distillation's (`divergence`: a `DivergenceOutput`) instead of the cross-entropy.
+
+        With `medusa_targets` [K, B, L] (head k's targets in row k - 1: `objectives.medusa.head_targets`)
+        and `medusa_weights` (their token weights, same shape), the model's own loss and each Medusa
+        head's (`attach_medusa`), as `MedusaLossOutput`; over a frozen model the decoder and its own
+        loss run without gradient.
         """
         if score_rows is not None:
             if targets is not None or token_weights is not None:
@@ -219,14 +246,31 @@ class CausalLMLoss(nn.Module):
             raise ValueError("the loss needs targets (or score_rows to score answers)")
         if key_index is not None or cu_seqlens_k is not None:
             raise ValueError("separate key ranges (key_index, cu_seqlens_k) are for scoring answers")
+        if medusa_targets is not None:
+            if self.medusa is None:
+                raise ValueError("medusa_targets need Medusa heads: attach_medusa() first")
+            frozen = torch.no_grad() if self.frozen_backbone else contextlib.nullcontext()
+            with frozen:
+                hidden = self.hidden_states(input_ids, position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                                            attention_mask=attention_mask)
+                lm = self.next_token_loss(hidden, targets.reshape(-1), token_weights)
+            return MedusaLossOutput(lm=lm, heads=self.medusa_losses(hidden, medusa_targets, medusa_weights))
         hidden = self.hidden_states(input_ids, position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                                     attention_mask=attention_mask)
         targets = targets.reshape(-1)
-        if token_weights is not None:
-            token_weights = token_weights.reshape(-1)
         if teacher_hidden is not None:
+            if token_weights is not None:
+                token_weights = token_weights.reshape(-1)
             return self.divergence(hidden, targets, token_weights, teacher_hidden, teacher_weight, teacher_bias,
                                    divergence)
+        return self.next_token_loss(hidden, targets, token_weights)
+
+    def next_token_loss(self, hidden: torch.Tensor, targets: torch.Tensor,
+                        token_weights: torch.Tensor | None) -> LossOutput:
+        """The model's loss of `targets` [N] from its last hidden states `hidden` [N, H]: fused, or
+        through its own output layer's logits."""
+        if token_weights is not None:
+            token_weights = token_weights.reshape(-1)
         head = output_head_of(self.model)
         projection = plain_projection(head) if self.fused else None
         if projection is not None:
@@ -236,6 +280,30 @@ class CausalLMLoss(nn.Module):
             )
         logits = head(hidden)
         return causal_lm_loss_from_logits(logits, targets, token_weights=token_weights, options=self.options)
+
+    def attach_medusa(self, heads: MedusaHeads, *, frozen_backbone: bool) -> None:
+        """Train `heads` with this loss (`objective.name: medusa`), over a frozen model when
+        `frozen_backbone` (its decoder then runs without gradient and keeps no activations)."""
+        self.medusa = heads
+        self.frozen_backbone = bool(frozen_backbone)
+
+    def medusa_losses(self, hidden: torch.Tensor, targets: torch.Tensor,
+                      token_weights: torch.Tensor | None) -> list[LossOutput]:
+        """Each Medusa head's loss of its targets (`targets[k - 1]`, [N] each once flattened) from the
+        decoder's last hidden states [N, H]: the head's residual blocks, then its output layer and the
+        cross-entropy fused (no [N, V] logits), with the head's loss options."""
+        outputs = []
+        for k, head in enumerate(self.medusa.heads):
+            features = head.features(hidden)
+            y = targets[k].reshape(-1)
+            w = None if token_weights is None else token_weights[k].reshape(-1)
+            if self.fused_heads:
+                outputs.append(kernels.fused_linear_cross_entropy(features, head.proj.weight, y, token_weights=w,
+                                                                  options=self.options))
+            else:
+                outputs.append(causal_lm_loss_from_logits(head.proj(features), y, token_weights=w,
+                                                          options=self.options))
+        return outputs
 
     def divergence(self, hidden: torch.Tensor, targets: torch.Tensor, token_weights: torch.Tensor | None,
                    teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor, teacher_bias: torch.Tensor | None,
@@ -349,7 +417,11 @@ class CausalLMLoss(nn.Module):
             kernel = f"fused_linear_cross_entropy ({kernels.active_path(weight.device)})"
         else:
             kernel = f"causal_lm_loss_from_logits (torch, logits of the {type(head).__name__})"
-        return f"kernel={kernel}, options={self.options}"
+        medusa = ""
+        if self.medusa is not None:
+            medusa = (f", medusa heads: {'fused_linear_cross_entropy' if self.fused_heads else 'logits'}"
+                      f"{' over a frozen model' if self.frozen_backbone else ''}")
+        return f"kernel={kernel}, options={self.options}{medusa}"
 
 
 def last_hidden_states(

@@ -4,15 +4,18 @@ from ligertune.errors import UserError
 from ligertune.kernels import DivergenceOptions
 from ligertune.objectives.base import MicroBatchLoss, Objective
 from ligertune.objectives.distill import Distill, Teacher
+from ligertune.objectives.medusa import Medusa, MedusaOptions
 from ligertune.objectives.preference import Preference, PreferenceConfig
 from ligertune.objectives.sft import SFT
 
-__all__ = ["SFT", "Distill", "MicroBatchLoss", "Objective", "Preference", "Teacher", "build_objective"]
+__all__ = ["SFT", "Distill", "Medusa", "MedusaOptions", "MicroBatchLoss", "Objective", "Preference", "Teacher",
+           "build_objective"]
 
 
 def build_objective(recipe) -> Objective:
     """The recipe's objective: supervised fine-tuning on its `loss` section for `objective.name: sft`;
-    distillation (`Distill`, its teacher attached when the run is built) for `distill`; a
+    distillation (`Distill`, its teacher attached when the run is built) for `distill`; Medusa heads
+    (`Medusa`, the heads attached to the loss head when the run is built) for `medusa`; a
     `Preference` objective (DPO, IPO, SimPO, ORPO, KTO) on the `objective` section otherwise.
 
     The one place that refuses what the trainer does not run yet: `train`, `validate` and
@@ -24,6 +27,10 @@ def build_objective(recipe) -> Objective:
         return SFT(recipe.loss)
     if cfg.name == "distill":
         return Distill(recipe.loss, divergence_options(recipe))
+    if cfg.name == "medusa":
+        frozen = cfg.backbone == "frozen"
+        return Medusa(recipe.loss, MedusaOptions(heads=cfg.heads, head_weights=tuple(cfg.head_weights),
+                                                 lm_weight=0.0 if frozen else cfg.lm_weight, frozen=frozen))
     if recipe.model.attention != "packed":
         raise UserError(f"model.attention: preference training ({cfg.name}) needs `packed` attention (each "
                         f"answer attends to its prompt through its own key range); got {recipe.model.attention}")

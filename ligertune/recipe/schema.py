@@ -11,6 +11,7 @@ their key paths, so one run of `ligertune validate` shows everything that is wro
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -206,10 +207,14 @@ REFERENCE_OBJECTIVES = ("dpo", "ipo", "kto")
 """Objectives whose reward is measured against a frozen reference model's log-probabilities."""
 PREFERENCE_OBJECTIVES = (*PAIRED_OBJECTIVES, "kto")
 """Objectives that train on preference data (`data.format`: paired or unpaired answers)."""
-CHAT_OBJECTIVES = ("sft", "distill")
+CHAT_OBJECTIVES = ("sft", "distill", "medusa")
 """Objectives that train on chat data (`data.format`: messages, sharegpt, prompt_completion)."""
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 """`objective.loss` of distillation (`ligertune.kernels.fused_linear_divergence`)."""
+MEDUSA_DECAY = 0.8
+"""Medusa's head weights when the recipe gives none: lambda_k = 0.8^k for head k = 1..K (the paper's)."""
+MEDUSA_BACKBONES = ("frozen", "lora", "full")
+"""`objective.backbone` of Medusa: the model under the heads frozen (Medusa-1), or trained with them."""
 OBJECTIVE_DEFAULTS = {
     "beta": {"dpo": 0.1, "ipo": 0.1, "kto": 0.1, "simpo": 2.0, "distill": 0.5},
     "gamma": {"simpo": 1.0},
@@ -232,13 +237,19 @@ OBJECTIVE_KEYS = {
     "temperature": ("distill",),
     "alpha": ("distill",),
     "teacher_quantization": ("distill",),
+    "heads": ("medusa",),
+    "head_layers": ("medusa",),
+    "head_weights": ("medusa",),
+    "backbone": ("medusa",),
+    "lm_weight": ("medusa",),
 }
 
 
 @dataclass
 class ObjectiveConfig:
-    """What a step optimises: supervised fine-tuning (`sft`, the default), a preference objective, or
-    distillation from a teacher model (`distill`, on chat data).
+    """What a step optimises: supervised fine-tuning (`sft`, the default), a preference objective,
+    distillation from a teacher model (`distill`, on chat data), or Medusa heads (`medusa`, on chat
+    data).
 
     Notation: x a prompt, y_w the chosen answer, y_l the rejected one, pi the trained model,
     pi_ref the reference model (`reference`), log pi(y|x) the sum of log-probabilities of an
@@ -247,11 +258,14 @@ class ObjectiveConfig:
     whatever the batching, as supervised fine-tuning averages over tokens.
     """
 
-    name: Literal["sft", "dpo", "ipo", "simpo", "orpo", "kto", "distill"] = _field(
+    name: Literal["sft", "dpo", "ipo", "simpo", "orpo", "kto", "distill", "medusa"] = _field(
         "sft",
         "`sft`: cross-entropy on the trained tokens of chat data (the `loss` section). `distill`: on "
         "the same chat data and tokens, the divergence of the trained model (the student) from a "
         "frozen `teacher`, mixed with the student's own cross-entropy by `alpha` (docs/distill.md). "
+        "`medusa`: on the same chat data, `heads` extra output heads on the model's last hidden state, "
+        "head k learning the token k + 1 places ahead, for speculative decoding (Cai et al. 2024, "
+        "Medusa; docs/medusa.md); the model frozen under them (`backbone`). "
         "On preference "
         "data (`data.format`): `dpo` -log sigma(beta h) (Rafailov et al. 2023, DPO, eq. 7); `ipo` "
         "(h - 1/(2 beta))^2 (Azar et al. 2023, IPO, eq. 17); `simpo` -log sigma(beta/|y_w| log pi(y_w|x) - beta/|y_l| log pi(y_l|x) - gamma), "
@@ -354,10 +368,46 @@ class ObjectiveConfig:
         "quarter of its bf16 memory; null: the teacher in `model.dtype`.",
     )
 
+    heads: int = _field(
+        4,
+        "`medusa` only: K, the number of heads. Head k (k = 1..K) reads the last hidden state at "
+        "position t and predicts the token at t + k + 1, k places after the model's own next token; "
+        "each head starts as a copy of the model's output layer. At most 16.",
+    )
+    head_layers: int = _field(
+        1,
+        "`medusa` only: residual blocks h + SiLU(A h + b) before each head's output layer (the "
+        "paper's 1), each starting as the identity (A and b zero). 0: the output layer alone.",
+    )
+    head_weights: list[float] | None = _field(
+        None,
+        "`medusa` only: lambda_1..lambda_K, the weight of each head's loss in the step's loss "
+        "sum_k lambda_k L_k (each L_k normalised over that head's own targets as `loss.normalization` "
+        "says). null: 0.8^k (the paper's: farther heads are less accurate and weigh less); filled in "
+        "when loaded. K numbers >= 0, at least one > 0.",
+    )
+    backbone: Literal["frozen", "lora", "full"] = _field(
+        "frozen",
+        "`medusa` only: what trains under the heads. `frozen`: the heads alone (Medusa-1); the model "
+        "runs without gradient and stays bit for bit the starting one, and a run saves only the "
+        "heads. `lora` (needs a `lora` section) or `full`: the model trains with them (Medusa-2), on "
+        "its own next-token loss weighted by `lm_weight` beside the heads'.",
+    )
+    lm_weight: float = _field(
+        1.0,
+        "`medusa` with `backbone: lora` or `full`: the weight of the model's own next-token "
+        "cross-entropy in the step's loss, lm_weight L_LM + sum_k lambda_k L_k. Medusa-2 keeps the "
+        "model's answers by weighing the heads lightly against it (the paper's lambda_0 of about 0.2: "
+        "`head_weights` of 0.2 x 0.8^k). >= 0; with `backbone: frozen` the model's loss is reported, "
+        "never trained, and this key is refused.",
+    )
+
     def __post_init__(self) -> None:
         for key, defaults in OBJECTIVE_DEFAULTS.items():
             if getattr(self, key) is None and self.name in defaults:
                 setattr(self, key, defaults[self.name])
+        if self.name == "medusa" and self.head_weights is None and type(self.heads) is int and 0 < self.heads <= 16:
+            self.head_weights = [round(MEDUSA_DECAY ** k, 12) for k in range(1, self.heads + 1)]  # 0.64, not 0.6400000000000001
 
     @property
     def preference(self) -> bool:
@@ -408,6 +458,8 @@ class ObjectiveConfig:
                 problems.append(("temperature", f"must be > 0, got {self.temperature}"))
             if not 0.0 <= self.alpha <= 1.0:
                 problems.append(("alpha", f"must lie in [0, 1], got {self.alpha}"))
+        if self.name == "medusa":
+            problems += self._medusa_problems()
         if reads["label_smoothing"] and not 0.0 <= self.label_smoothing < 0.5:
             problems.append(("label_smoothing", f"must be in [0, 0.5), got {self.label_smoothing} "
                              "(at 0.5 a pair says nothing; past it the preference is reversed)"))
@@ -426,6 +478,31 @@ class ObjectiveConfig:
             problems.append(("reference", f"{self.name} is reference-free and never reads a reference model: "
                              "use `none` (or `auto`), or an objective that uses one (dpo, ipo, kto)"))
         return problems
+
+
+    def _medusa_problems(self) -> list[tuple[str, str]]:
+        problems = []
+        if not 1 <= self.heads <= 16:
+            problems.append(("heads", f"must be 1 to 16, got {self.heads}"))
+        if self.head_layers < 0:
+            problems.append(("head_layers", f"must be >= 0, got {self.head_layers}"))
+        weights = self.head_weights or []
+        if self.head_weights is not None and 1 <= self.heads <= 16 and len(weights) != self.heads:
+            problems.append(("head_weights", f"needs one weight per head ({self.heads}), got {len(weights)}"))
+        elif self.head_weights is not None and (not all(math.isfinite(w) and w >= 0 for w in weights)
+                                                or not any(w > 0 for w in weights)):
+            problems.append(("head_weights", f"must be numbers >= 0, at least one > 0, got {self.head_weights}"))
+        if not (math.isfinite(self.lm_weight) and self.lm_weight >= 0):
+            problems.append(("lm_weight", f"must be >= 0, got {self.lm_weight}"))
+        elif self.backbone == "frozen" and self.lm_weight != 1.0:
+            problems.append(("lm_weight", "applies to `backbone: lora` or `full` only (a frozen model's loss "
+                             "is reported, never trained): remove it, or train the backbone"))
+        return problems
+
+    @property
+    def trains_backbone(self) -> bool:
+        """Whether the model itself trains (every objective but Medusa heads over a frozen model)."""
+        return not (self.name == "medusa" and self.backbone == "frozen")
 
 
 def objective_data_problem(name: str, fmt: str) -> str | None:
@@ -745,6 +822,16 @@ class Recipe:
             problem = objective_data_problem(self.objective.name, fmt)
             if problem is not None:
                 problems.append((key, problem))
+        if self.objective.name == "medusa":
+            backbone = self.objective.backbone
+            if backbone == "lora" and self.lora is None:
+                problems.append(("objective.backbone", "lora trains LoRA adapters under the heads: add a `lora` "
+                                 "section (e.g. `--set lora.r=16`), or use `frozen` or `full`"))
+            elif backbone != "lora" and self.lora is not None:
+                what = ("trains the heads alone over the model" if backbone == "frozen"
+                        else "trains every weight of the model")
+                problems.append(("lora", f"objective.backbone: {backbone} {what}, so LoRA adapters would "
+                                 "not be used: remove the `lora` section, or set objective.backbone: lora"))
         if self.model.quantization is not None and self.lora is None:
             problems.append(("model.quantization", f"a quantized base ({self.model.quantization}) is frozen: "
                              "train LoRA adapters over it (add a `lora` section, e.g. `--set lora.r=16`)"))

@@ -9,7 +9,7 @@ what is verified and benchmarked is what trains:
     data = build_data(recipe, tokenizer)                         # examples, then packs
     model = build_model(recipe, device=device, vocab_size=len(tokenizer))
     head = build_head(model.module, recipe.kernels, recipe.loss)
-    optimizer = build_optimizer(model.module, recipe.optim)
+    optimizer = build_optimizer(head, recipe.optim)              # the model's and any heads' weights
     scheduler = build_scheduler(optimizer, recipe.optim, total_steps=...)
 """
 
@@ -336,7 +336,27 @@ def build_model(
         model = wrap_lora(model, recipe.lora, fast=kernels and recipe.kernels.lora)
     if trainable_dtype is not None:
         cast_trainable(model, trainable_dtype)
+    if not recipe.objective.trains_backbone:
+        model.requires_grad_(False)  # Medusa heads over a frozen model: the heads alone train
     return BuiltModel(model, dtype, patches)
+
+
+def build_medusa_heads(recipe: Recipe, model: nn.Module, *, dtype: torch.dtype | None = None):
+    """The Medusa heads of `objective.name: medusa` (None for other objectives), on the model's device:
+    `objective.heads` heads of `objective.head_layers` residual blocks, each output layer a copy of
+    the model's (its base layer's, under LoRA), in `dtype` (None: the output layer's; the trainable
+    dtype of a sharded LoRA run, `fsdp_dtypes`)."""
+    from ligertune.models.medusa import MedusaHeads
+    from ligertune.models.unwrap import plain_projection
+
+    cfg = recipe.objective
+    if cfg.name != "medusa":
+        return None
+    layer = models.output_head_of(model)
+    projection = plain_projection(layer)
+    weight = projection[0] if projection is not None else getattr(layer, "base_layer", layer).weight
+    heads = MedusaHeads.from_output_layer(weight.detach(), heads=cfg.heads, layers=cfg.head_layers, dtype=dtype)
+    return heads.requires_grad_(True)
 
 
 def cast_trainable(model: nn.Module, dtype: torch.dtype) -> None:
@@ -585,24 +605,30 @@ def schedule_warnings(cfg: OptimConfig, total_steps: int) -> list[str]:
 def build_run(recipe: Recipe, model: nn.Module, *, device: torch.device, total_steps: int,
               topology: Topology | None = None, mixed_precision: torch.dtype | None = None,
               reference_model: nn.Module | None = None, teacher_model: nn.Module | None = None,
-              **parts) -> Run:
+              medusa_heads: nn.Module | None = None, **parts) -> Run:
     """What one training step needs, around `model` (from `build_model`): the objective, the loss
     head (sharded over the processes of `topology`), the optimizer, the schedule over `total_steps`
     and the gradient checkpointing of `train.gradient_checkpointing`. `parts` are the `Run`'s other
     fields (its data and outputs); `bench step` times the step of a run built with none. With
     `objective.reference: live`, the objective scores the reference with the adapters off (`lora`)
     or through `reference_model`, the frozen starting model (full fine-tuning, `build_reference_model`).
-    Distillation scores against `teacher_model` (`build_teacher_model`), sharded like the student."""
+    Distillation scores against `teacher_model` (`build_teacher_model`), sharded like the student.
+    Medusa trains `medusa_heads` (`build_medusa_heads`, built here when not given) as a submodule of
+    the loss head, so that they are sharded, checkpointed and stepped with it; the optimizer holds
+    the head's trainable parameters (over a frozen model: the heads')."""
     from ligertune.distributed import shard
     from ligertune.objectives import build_objective
 
     topology = topology or Topology()
     head = build_head(model, recipe.kernels, recipe.loss)
+    if recipe.objective.name == "medusa":
+        heads = medusa_heads if medusa_heads is not None else build_medusa_heads(recipe, model)
+        head.attach_medusa(heads, frozen_backbone=not recipe.objective.trains_backbone)
     engine = head
     if topology.distributed:
         engine = shard(head, models.decoder_of(model).layers, strategy=strategy(recipe), device=device,
                        mixed_precision=mixed_precision)
-    optimizer = build_optimizer(model, recipe.optim)
+    optimizer = build_optimizer(head, recipe.optim)
     objective = build_objective(recipe)
     if recipe.objective.reference_mode == "live":
         objective.reference = live_reference(recipe, model, engine, reference_model, topology=topology,
@@ -614,7 +640,9 @@ def build_run(recipe: Recipe, model: nn.Module, *, device: torch.device, total_s
     run = Run(recipe=recipe, device=device, model=model, head=head, objective=objective,
               optimizer=optimizer, scheduler=build_scheduler(optimizer, recipe.optim, total_steps=total_steps),
               total_steps=total_steps, topology=topology, engine=engine, **parts)
-    run.checkpointing = checkpointing_policy(recipe.train, model, device, optimizer)
+    # A frozen model keeps no activations to recompute (its forward runs without gradient).
+    run.checkpointing = (checkpointing_policy(recipe.train, model, device, optimizer)
+                         if recipe.objective.trains_backbone else None)
     layers = models.decoder_of(model).layers
     run.offload = (run.checkpointing.offloader if isinstance(run.checkpointing, CheckpointPlanner)
                    else fixed_offload(recipe.train, layers, device))

@@ -5,6 +5,7 @@
       metrics.jsonl               one JSON object per record (`ligertune.metrics`)
       checkpoints/
         step-000200/              model (or LoRA adapters) + tokenizer, Hugging Face format,
+                                  and Medusa heads (over a frozen model: the heads alone + tokenizer),
           optimizer/              the optimizer state (torch.distributed.checkpoint, any world size)
           trainer_state.pt        and the rest of the run: its `RunState`, schedule, RNG, recipe
         step-000400/
@@ -47,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 from ligertune.distributed import all_reduce_max, barrier, gather_objects, is_main_process
 from ligertune.errors import EnvironmentFault, UserError
 from ligertune.files import fsync_dir, write_atomic_dir
+from ligertune.models.medusa import HEADS_FILE, load_heads, save_base_note, save_heads
 from ligertune.training.run import Run, TrainingDiverged
 from ligertune.training.run_dir import CHECKPOINTS
 from ligertune.training.state import RunState, capture_rng, restore_rng
@@ -84,7 +86,7 @@ def save_checkpoint(run: Run) -> Path:
     `torch.distributed.checkpoint` (sharded: each rank writes its part, and any world size reads it
     back) and the trainer state. Returns the checkpoint's folder."""
     check_finite_weights(run)
-    model_state = gathered_model_state(run)
+    model_state, heads_state = gathered_states(run)
     optimizer_state = get_optimizer_state_dict(run.head, run.optimizer)
     trainer_state = {
         TrainerState.FORMAT: FORMAT,
@@ -100,7 +102,7 @@ def save_checkpoint(run: Run) -> Path:
             with one_process_is_intended():
                 dcp.save({"optimizer": optimizer_state}, checkpoint_id=folder / OPTIMIZER,
                          no_dist=not run.topology.distributed)
-            save_pretrained(folder, run.model, run.tokenizer, state_dict=model_state)
+            save_model_files(folder, run, model_state, heads_state)
             if run.topology.is_main:
                 torch.save(trainer_state, folder / TRAINER_STATE)
 
@@ -124,11 +126,11 @@ def restore_checkpoint(run: Run, checkpoint: Path, saved: dict) -> None:
 def save_final(run: Run) -> Path:
     """The model at the end of the run, in `final/`."""
     check_finite_weights(run)
-    model_state = gathered_model_state(run)
+    model_state, heads_state = gathered_states(run)
 
     def write(folder: Path) -> None:
         with written(run.output_dir, "final model"):
-            save_pretrained(folder, run.model, run.tokenizer, state_dict=model_state)
+            save_model_files(folder, run, model_state, heads_state)
 
     return write_atomic_dir(run.output_dir / "final", write)
 
@@ -141,19 +143,39 @@ def save_pretrained(folder: Path, model: Any, tokenizer: Any, *, state_dict: dic
         tokenizer.save_pretrained(folder)
 
 
-def gathered_model_state(run: Run) -> dict | None:
-    """The whole model's weights on rank 0's CPU when the model is sharded (None otherwise: the
-    model saves itself). A weight tied to another (embeddings and output projection) is kept once,
-    under its first name, as one process saves it: the same model is the same files whatever the
-    world size."""
+def save_model_files(folder: Path, run: Run, model_state: dict | None, heads_state: dict | None) -> None:
+    """What a checkpoint or final/ holds of the model, written by rank 0: the model (or its
+    adapters) and the tokenizer (`save_pretrained`), and the Medusa heads of the loss head beside
+    them. Heads trained over a frozen model are saved alone, with the tokenizer and `base_model.json`
+    naming the recipe's model: that model is the starting one, unchanged, and the run's recipe
+    rebuilds it (`load_base_model`)."""
+    heads = run.head.medusa
+    if heads is None or run.head.frozen_backbone is False:
+        save_pretrained(folder, run.model, run.tokenizer, state_dict=model_state)
+    if heads is None or not is_main_process():
+        return
+    save_heads(heads, folder, state=heads_state)
+    if run.head.frozen_backbone:
+        run.tokenizer.save_pretrained(folder)
+        save_base_note(folder, run.recipe.model.name_or_path)
+
+
+def gathered_states(run: Run) -> tuple[dict | None, dict | None]:
+    """The whole model's weights and the Medusa heads' on rank 0's CPU when the model is sharded
+    (None otherwise: each saves itself). A weight tied to another (embeddings and output projection)
+    is kept once, under its first name, as one process saves it: the same model is the same files
+    whatever the world size."""
     if not run.topology.distributed:
-        return None
+        return None, None
     state = get_model_state_dict(run.head, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not run.topology.is_main:
-        return None
-    prefix = "model."  # the head holds the model as `self.model`
+        return None, None
+    prefix, heads_prefix = "model.", "medusa."  # the head holds the model as `self.model`, the heads as `self.medusa`
     tied = tied_names(run.model)
-    return {k[len(prefix):]: v for k, v in state.items() if k[len(prefix):] not in tied}
+    model = {k[len(prefix):]: v for k, v in state.items()
+             if k.startswith(prefix) and k[len(prefix):] not in tied}
+    heads = {k[len(heads_prefix):]: v for k, v in state.items() if k.startswith(heads_prefix)}
+    return model, heads or None
 
 
 def tied_names(model: nn.Module) -> set[str]:
@@ -174,6 +196,17 @@ def load_optimizer_state(run: Run, folder: Path) -> None:
     with one_process_is_intended():
         dcp.load(state, checkpoint_id=folder, no_dist=not run.topology.distributed)
     set_optimizer_state_dict(run.head, run.optimizer, state["optimizer"])
+
+
+def load_heads_weights(heads: nn.Module, checkpoint: Path) -> None:
+    """Put the checkpoint's Medusa heads into `heads` (`training.build.build_medusa_heads`) in place."""
+    if not (checkpoint / HEADS_FILE).is_file():
+        raise UserError(f"--resume: {checkpoint} holds no Medusa heads ({HEADS_FILE}) for the recipe's")
+    saved = load_heads(checkpoint)
+    if saved.config != heads.config:
+        raise UserError(f"--resume: the Medusa heads in {checkpoint} ({saved.config}) do not fit the recipe's "
+                        f"({heads.config})")
+    heads.load_state_dict(saved.state_dict())  # copied into the heads' own tensors, in their dtype
 
 
 def load_model_weights(model: nn.Module, checkpoint: Path) -> None:
@@ -343,8 +376,10 @@ def verify_checkpoint(checkpoint: Path) -> dict:
     whole, the optimizer state has its metadata. Raises `DamagedFile` naming the first bad file."""
     saved = load_trainer_state(checkpoint)
     weights = sorted(checkpoint.glob("adapter_model.safetensors")) or sorted(checkpoint.glob("model*.safetensors"))
+    weights += sorted(checkpoint.glob(HEADS_FILE))  # Medusa heads: beside the model, or alone over a frozen one
     if not weights:
-        raise DamagedFile(checkpoint, "no model weights (model*.safetensors or adapter_model.safetensors)")
+        raise DamagedFile(checkpoint, "no model weights (model*.safetensors, adapter_model.safetensors or "
+                                      f"{HEADS_FILE})")
     for file in weights:
         check_safetensors(file)
     metadata = checkpoint / OPTIMIZER / ".metadata"

@@ -81,7 +81,8 @@ class Run:
             self.stream = PackStream(self.data.train_packs, self.recipe.train.seed)
         if self.engine is None:
             self.engine = self.head
-        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        # The head's: the model's and any trained with it (Medusa heads), as the optimizer holds them.
+        self.trainable = [p for p in self.head.parameters() if p.requires_grad]
         self.step_flops = StepFlops.of(self.model)
 
     @property

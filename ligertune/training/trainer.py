@@ -63,6 +63,7 @@ from ligertune.recipe import Recipe, dump_recipe
 from ligertune.training.build import (
     build_data,
     build_device,
+    build_medusa_heads,
     build_model,
     build_reference_model,
     build_run,
@@ -77,6 +78,7 @@ from ligertune.training.build import (
 from ligertune.training.checkpoint import (
     find_checkpoint,
     latest_checkpoint,
+    load_heads_weights,
     load_model_weights,
     remove_stale_temporaries,
     restore_checkpoint,
@@ -167,16 +169,19 @@ def setup(recipe: Recipe, console: Console, *, resume: str | Path | None = None,
         data = build_data(recipe, tokenizer, show_progress=topology.is_main)
         built = build_model(recipe, device=device, vocab_size=len(tokenizer),
                             dtype=dtypes.model, trainable_dtype=dtypes.trainable)
-        if checkpoint is not None:
+        if checkpoint is not None and recipe.objective.trains_backbone:  # else the recipe's model, unchanged
             load_model_weights(built.module, checkpoint)
+        heads = build_medusa_heads(recipe, built.module, dtype=dtypes.trainable)
+        if checkpoint is not None and heads is not None:
+            load_heads_weights(heads, checkpoint)
         reference = build_reference_model(recipe, device=device, vocab_size=len(tokenizer), dtype=dtypes.model)
         teacher = build_teacher_model(recipe, tokenizer, device=device, dtype=dtypes.compute or built.dtype)
-        return tokenizer, data, built, reference, teacher
+        return tokenizer, data, built, reference, teacher, heads
 
-    tokenizer, data, built, reference_model, teacher_model = together(build)
+    tokenizer, data, built, reference_model, teacher_model, medusa_heads = together(build)
     run = build_run(
         recipe, built.module, device=device, topology=topology, mixed_precision=dtypes.compute,
-        reference_model=reference_model, teacher_model=teacher_model,
+        reference_model=reference_model, teacher_model=teacher_model, medusa_heads=medusa_heads,
         total_steps=total_steps(cfg, len(data.train_packs), topology.world_size),
         tokenizer=tokenizer, data=data, output_dir=output_dir,
         meter=Throughput(device, clock, peak_tflops=cluster_peak_tflops(device, topology)),
@@ -530,7 +535,8 @@ def held_out_trend(metrics_path: Path, names: Sequence[str]) -> list[tuple[str, 
         values = [r[f"eval_{name}"] for r in records if f"eval_{name}" in r]
         if values:
             percent = name.endswith("accuracy")
-            show = (lambda v: f"{v:.1%}") if percent else (lambda v: f"{v:+.4f}")
+            show = ((lambda v: f"{v:.1%}") if percent else (lambda v: f"{v:.3f} tokens") if name == "accepted_length"
+                    else (lambda v: f"{v:+.4f}"))
             rows.append((f"eval {name.replace('_', ' ')}", f"{show(values[0])} -> {show(values[-1])}"))
     return rows
 
@@ -549,8 +555,10 @@ def show_summary(run: Run, result: TrainResult) -> None:
         rows.append(("eval loss", f"{first:.4f} -> {last:.4f}{share}"))
     if run.recipe.objective.name != "sft" and run.topology.is_main:
         watched = ("reward_accuracy", "reward_margin", "reward_desirable", "reward_undesirable", "ce",
-                   "token_accuracy")
-        rows += held_out_trend(run.output_dir / METRICS, [n for n in run.objective.held_out if n in watched])
+                   "token_accuracy", "lm_accuracy", "accepted_length")
+        heads = [n for n in run.objective.held_out if n.startswith("head") and n.endswith("_accuracy")]  # Medusa's
+        rows += held_out_trend(run.output_dir / METRICS,
+                               [n for n in run.objective.held_out if n in watched or n in heads])
     rows.append(("peak memory", f"{run_peak_memory_gib(run):.2f} GiB"))
     rows.append(("output", str(result.final_dir)))
     run.out.print(summary_table(rows))

@@ -5,6 +5,10 @@
     reply = generate_reply(loaded.model, loaded.tokenizer, messages, on_text=print)
     reply.text, reply.prompt_tokens, reply.completion_tokens, reply.finish_reason
 
+    # speculative decoding: n-gram drafts, verified by the model (the same greedy answer, sooner)
+    reply = generate_reply(loaded.model, loaded.tokenizer, messages, draft=ligertune.decoding.NgramDraft())
+    reply.tokens_per_step, reply.acceptance_per_depth, reply.tokens_per_s
+
 What a path may be (`locate_model`):
 
     runs/x                          a run (recipe.yaml): its final/
@@ -33,6 +37,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +46,7 @@ from typing import Any, Callable, Iterator
 import torch
 from transformers import GenerationConfig, TextStreamer
 
+from ligertune.decoding import DecodeStats, Drafter, Sampling, accept_rule, speculative_generate
 from ligertune.devices import resolve_device, resolve_dtype
 from ligertune.errors import UserError, first_line
 from ligertune.models.medusa import BASE_NOTE, read_base_note
@@ -375,6 +381,34 @@ class Reply:
     completion_tokens: int
     finish_reason: str
     """`stop` (the model ended its turn) or `length` (`max_new_tokens` reached)."""
+    seconds: float = 0.0
+    """Wall clock of the generation, prompt included, the device synchronized at both ends."""
+    stats: DecodeStats = dataclasses.field(default_factory=DecodeStats, repr=False)
+    """Model forwards, and what each one's draft proposed and kept (`ligertune.decoding`)."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def forwards(self) -> int:
+        """Model forwards that wrote the reply (the prompt's included): `completion_tokens` without a draft."""
+        return self.stats.forwards
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Reply tokens per model forward: 1 without a draft, more as drafted tokens are accepted."""
+        return self.stats.tokens_per_step
+
+    @property
+    def mean_accepted(self) -> float:
+        """Drafted tokens accepted per forward."""
+        return self.stats.mean_accepted
+
+    @property
+    def acceptance_per_depth(self) -> list[float]:
+        """Entry d - 1: of the forwards whose draft reached d tokens ahead, the share that kept d or more."""
+        return self.stats.acceptance_per_depth()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -414,7 +448,7 @@ def stop_token_ids(model, tokenizer) -> list[int]:
     return ids
 
 
-def check_sampling(*, max_new_tokens: int, temperature: float, top_p: float) -> None:
+def check_sampling(*, max_new_tokens: int, temperature: float, top_p: float, accept: str = "exact") -> None:
     """Refuse generation settings that cannot work, naming the `chat` option of each."""
     if max_new_tokens < 1:
         raise UserError(f"--max-new-tokens: must be >= 1, got {max_new_tokens}")
@@ -422,6 +456,7 @@ def check_sampling(*, max_new_tokens: int, temperature: float, top_p: float) -> 
         raise UserError(f"--temperature: must be >= 0 (0 is greedy), got {temperature}")
     if not 0 < top_p <= 1:
         raise UserError(f"--top-p: must be in (0, 1], got {top_p}")
+    accept_rule(Sampling(temperature, top_p), accept)  # an unknown rule is refused at any temperature
 
 
 @torch.no_grad()
@@ -434,6 +469,8 @@ def generate_reply(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int | None = None,
+    draft: Drafter | None = None,
+    accept: str = "exact",
     on_text: Callable[[str], None] | None = None,
 ) -> Reply:
     """The model's next assistant turn after `messages` (role/content dicts).
@@ -441,12 +478,52 @@ def generate_reply(
     `temperature=0` decodes greedily (the same answer every time); above 0 it samples with nucleus
     `top_p`, under `seed` when given (the global random state is left as it was). `on_text`
     receives the reply's text piece by piece, as whole words are generated.
+
+    With a `draft` (`ligertune.decoding`), each forward verifies the drafter's guesses and keeps
+    those the model confirms: greedy answers are the plain greedy answer, token for token; sampled
+    ones follow `accept` (`exact`: the plain sampling distribution; `typical`: Medusa's rule).
     """
-    check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, accept=accept)
     prompt_ids = render_prompt(tokenizer, messages)
     device = next(model.parameters()).device
-    input_ids = torch.tensor([prompt_ids], device=device)
     stops = stop_token_ids(model, tokenizer)
+    streamer = _TextCallback(tokenizer, on_text) if on_text is not None else None
+    _synchronize(device)
+    started = time.perf_counter()
+    with _seeded(seed, device):
+        if draft is None:
+            new_ids = _plain_generate(model, tokenizer, prompt_ids, stops, streamer, max_new_tokens=max_new_tokens,
+                                      temperature=temperature, top_p=top_p)
+            stats = DecodeStats.plain(len(new_ids))
+        else:
+            if streamer is not None:
+                streamer.put(torch.tensor(prompt_ids))  # skipped: the streamer shows the reply only
+            result = speculative_generate(
+                model, prompt_ids, draft, accept_rule(Sampling(temperature, top_p), accept),
+                max_new_tokens=max_new_tokens, stop_ids=stops,
+                on_tokens=None if streamer is None else lambda ids: streamer.put(torch.tensor(ids)),
+            )
+            if streamer is not None:
+                streamer.end()
+            new_ids, stats = result.ids, result.stats
+    _synchronize(device)
+    seconds = time.perf_counter() - started
+    finished = bool(new_ids) and new_ids[-1] in stops
+    return Reply(
+        text=tokenizer.decode(new_ids, skip_special_tokens=True),
+        prompt_tokens=len(prompt_ids),
+        completion_tokens=len(new_ids),
+        finish_reason="stop" if finished else "length",
+        seconds=seconds,
+        stats=stats,
+    )
+
+
+def _plain_generate(model, tokenizer, prompt_ids: list[int], stops: list[int], streamer, *,
+                    max_new_tokens: int, temperature: float, top_p: float) -> list[int]:
+    """The reply's token ids through `model.generate`: one forward per token."""
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([prompt_ids], device=device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops or [0])[0]
     # A fresh config: sampling defaults shipped with the model (temperature, top_k) must not leak
     # into a greedy reply.
@@ -455,18 +532,15 @@ def generate_reply(
         do_sample=temperature > 0, **({"temperature": temperature, "top_p": top_p, "top_k": 0}
                                       if temperature > 0 else {}),
     )
-    streamer = _TextCallback(tokenizer, on_text) if on_text is not None else None
-    with _seeded(seed, device):
-        output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                generation_config=config, streamer=streamer)
-    new_ids = output[0, len(prompt_ids):].tolist()
-    finished = bool(new_ids) and new_ids[-1] in stops
-    return Reply(
-        text=tokenizer.decode(new_ids, skip_special_tokens=True),
-        prompt_tokens=len(prompt_ids),
-        completion_tokens=len(new_ids),
-        finish_reason="stop" if finished else "length",
-    )
+    output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                            generation_config=config, streamer=streamer)
+    return output[0, len(prompt_ids):].tolist()
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a wall clock around it measures it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class _TextCallback(TextStreamer):
@@ -505,7 +579,7 @@ class ChatSession:
         self.system = system or None
         self.turns: list[dict[str, str]] = []
         self.generation = generation
-        """Keyword arguments of `generate_reply`: max_new_tokens, temperature, top_p, seed."""
+        """Keyword arguments of `generate_reply`: max_new_tokens, temperature, top_p, seed, draft, accept."""
 
     @property
     def messages(self) -> list[dict[str, str]]:

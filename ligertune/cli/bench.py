@@ -1,4 +1,5 @@
-"""`ligertune bench [kernels | step RECIPE]`: kernels and training steps against torch and peers."""
+"""`ligertune bench [kernels | step RECIPE | decode RUN]`: kernels and training steps against torch and
+peers, and decoding with each draft against plain decoding."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import typer
 from rich.console import Console
 
 from ligertune.cli.guard import guarded
-from ligertune.cli.options import RecipeArg, SetOpt
+from ligertune.cli.options import DeviceOpt, RecipeArg, SetOpt, TrustRemoteCodeOpt
 
 app = typer.Typer(
     help="Measure ligertune's kernels and training step against torch, Liger-Kernel and Cut Cross-Entropy.",
@@ -230,3 +231,50 @@ def step(
     if plot is not None:
         plot_frontier(capped, plot)
         console.print(f"wrote {plot}", markup=False)
+
+
+@app.command("decode")
+@guarded
+def decode(
+    model: Annotated[
+        Path, typer.Argument(help="A run, a checkpoint, a merged model or any Hugging Face model folder.",
+                             show_default=False, metavar="RUN_OR_MODEL")
+    ],
+    drafts: Annotated[
+        str, typer.Option("--drafts", help="Comma-separated drafts to time: none (plain decoding), ngram, medusa.")
+    ] = "none,ngram",
+    prompt: Annotated[
+        Optional[list[str]], typer.Option("--prompt", "-p", help="A prompt to answer (repeatable; default: four "
+                                          "built-in ones, two of which copy text).", show_default=False)
+    ] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="Longest answer.")] = 128,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed answers per prompt (the median counts).")] = 3,
+    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Untimed answers first, per draft.")] = 1,
+    depth: Annotated[int, typer.Option("--depth", min=1, help="Tokens ahead an ngram draft proposes.")] = 5,
+    device: DeviceOpt = "auto",
+    dtype: Annotated[str, typer.Option("--dtype", help="auto (bf16 on a GPU, fp32 on a CPU), bf16, fp16 or fp32.")] = "auto",
+    json_file: JsonFileOpt = None,
+    trust_remote_code: TrustRemoteCodeOpt = False,
+) -> None:
+    """Time greedy answers at batch 1 with each draft against plain decoding (tokens/s, tokens per forward).
+
+    Example: [bold]ligertune bench decode runs/quickstart --drafts none,ngram -n 256 --json decode.json[/]
+    """
+    import transformers
+
+    from ligertune.bench.decode import DEFAULT_PROMPTS, DecodeBenchConfig, decode_table, run_decode_bench
+    from ligertune.bench.report import write_json
+
+    transformers.utils.logging.disable_progress_bar()
+    config = DecodeBenchConfig(
+        drafts=tuple(d.strip() for d in drafts.split(",") if d.strip()), prompts=tuple(prompt or DEFAULT_PROMPTS),
+        max_new_tokens=max_new_tokens, repeats=repeats, warmup=warmup, depth=depth, device=device, dtype=dtype,
+        trust_remote_code=trust_remote_code,
+    )
+    progress = Console(stderr=True, highlight=False)
+    report = run_decode_bench(model, config, log=lambda line: progress.print(f"[dim]{line}[/]", markup=True))
+    console = Console()
+    console.print(decode_table(report))
+    if json_file is not None:
+        write_json(json_file, report.to_dict())
+        console.print(f"wrote {json_file}", markup=False)

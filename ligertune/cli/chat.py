@@ -47,6 +47,16 @@ def chat(
         Optional[int], typer.Option("--seed", help="Seed of the sampling (with --temperature > 0).",
                                     show_default=False)
     ] = None,
+    draft: Annotated[
+        str, typer.Option("--draft", help="Speculative decoding: none (one token per forward), ngram (guesses "
+                          "from earlier text, verified by the model) or medusa (the run's Medusa heads). "
+                          "Greedy answers are the same whatever the draft.")
+    ] = "none",
+    accept: Annotated[
+        str, typer.Option("--accept", help="With a draft and --temperature > 0: exact (rejection sampling, "
+                          "the plain sampling distribution) or typical (Medusa's rule: more guesses kept, "
+                          "not the same distribution).")
+    ] = "exact",
     device: DeviceOpt = "auto",
     dtype: Annotated[
         str, typer.Option("--dtype", help="auto (bf16 on a GPU, fp32 on a CPU), bf16, fp16 or fp32.")
@@ -62,19 +72,31 @@ def chat(
     """
     import transformers
 
-    from ligertune.inference import ChatSession, check_sampling, load_for_inference, require_chat_template
+    from ligertune.decoding import make_drafter
+    from ligertune.inference import (
+        ChatSession,
+        check_sampling,
+        load_for_inference,
+        locate_model,
+        require_chat_template,
+    )
 
     if json_ and prompt is None:
         raise UserError("--json: needs --prompt (one answer, for scripts)")
-    check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, accept=accept)
+    # before loading: a draft the model cannot serve (medusa without heads) is refused at once
+    drafter = None if draft == "none" else make_drafter(
+        draft, model_dir=locate_model(model, trust_remote_code=trust_remote_code).model_dir)
     transformers.utils.logging.disable_progress_bar()
     loaded = load_for_inference(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     require_chat_template(loaded)
     session = ChatSession(loaded.model, loaded.tokenizer, system=system, max_new_tokens=max_new_tokens,
-                          temperature=temperature, top_p=top_p, seed=seed)
+                          temperature=temperature, top_p=top_p, seed=seed, draft=drafter, accept=accept)
     note = Console(stderr=True, highlight=False, soft_wrap=True)
     if prompt is None:
         mode = "greedy" if temperature == 0 else f"temperature {temperature:g}, top-p {top_p:g}"
+        if drafter is not None:
+            mode += f", {draft} draft" + (f", {accept} acceptance" if temperature > 0 else "")
         note.print(Text(f"{loaded.source.describe()}, {loaded.device.type}, "
                         f"{str(loaded.dtype).removeprefix('torch.')}, {mode}", style="dim"))
         note.print(Text(HELP, style="dim"))
@@ -85,7 +107,12 @@ def chat(
         print(json.dumps({"model": str(model), "system": system, "prompt": prompt, "answer": reply.text,
                           "prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens,
                           "finish_reason": reply.finish_reason, "temperature": temperature, "top_p": top_p,
-                          "max_new_tokens": max_new_tokens, "seed": seed}, indent=2, ensure_ascii=False))
+                          "max_new_tokens": max_new_tokens, "seed": seed, "draft": draft,
+                          "accept": accept if drafter is not None and temperature > 0 else None,
+                          "forwards": reply.forwards, "tokens_per_step": round(reply.tokens_per_step, 4),
+                          "mean_accepted": round(reply.mean_accepted, 4),
+                          "acceptance_per_depth": [round(r, 4) for r in reply.acceptance_per_depth],
+                          "tokens_per_s": round(reply.tokens_per_s, 2)}, indent=2, ensure_ascii=False))
         return
     reply = session.ask(prompt, on_text=write)
     write("\n")

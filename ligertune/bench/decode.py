@@ -1,0 +1,142 @@
+"""`ligertune bench decode RUN`: answers/s at batch 1 with each draft against plain decoding.
+
+Each draft answers the same prompts greedily through `generate_reply`, the function `chat` calls
+(what is timed is what answers); `none` is plain `model.generate`. Per draft: reply tokens per
+second over all prompts (the median of `repeats` timings of each prompt), reply tokens per model
+forward, drafted tokens kept per forward, the share kept at each depth, and whether every answer is
+the plain greedy one (it must be: verification keeps only what greedy decoding would write).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rich.table import Table
+
+from ligertune.decoding import DRAFTS, DecodeStats, make_drafter
+from ligertune.errors import UserError
+
+DEFAULT_PROMPTS = (
+    "Repeat this list exactly, twice: apples, pears, plums, figs, apples, pears, plums, figs.",
+    "Rewrite in capital letters: the quick brown fox jumps over the lazy dog.",
+    "what comes after d?",
+    "Write a short poem about the sea.",
+)
+"""Two prompts whose answers copy the prompt (where n-gram drafts shine) and two open ones."""
+
+
+@dataclass
+class DecodeBenchConfig:
+    drafts: tuple[str, ...] = ("none", "ngram")
+    prompts: tuple[str, ...] = DEFAULT_PROMPTS
+    max_new_tokens: int = 128
+    repeats: int = 3
+    """Timed answers of each prompt; the median counts."""
+    warmup: int = 1
+    """Untimed answers first, per draft (the first prompt)."""
+    depth: int = 5
+    """Tokens ahead an n-gram draft proposes."""
+    device: str = "auto"
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+
+
+@dataclass
+class DecodeRow:
+    draft: str
+    tokens: int
+    """Reply tokens over all prompts."""
+    seconds: float
+    """Sum over the prompts of each one's median time."""
+    forwards: int
+    tokens_per_s: float
+    tokens_per_step: float
+    mean_accepted: float
+    acceptance_per_depth: list[float]
+    speedup: float | None
+    """tokens/s against the `none` row (when there is one)."""
+    same_as_plain: bool | None
+    """Every answer is token for token the `none` row's (when there is one)."""
+
+
+@dataclass
+class DecodeReport:
+    model: str
+    device: str
+    dtype: str
+    max_new_tokens: int
+    repeats: int
+    prompts: list[str]
+    rows: list[DecodeRow] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_drafts(names: tuple[str, ...]) -> None:
+    unknown = [n for n in names if n not in DRAFTS]
+    if unknown or not names:
+        raise UserError(f"--drafts: expected some of {', '.join(DRAFTS)}, got {', '.join(names) or 'none'}")
+
+
+def run_decode_bench(path: Path, config: DecodeBenchConfig, *, log: Callable[[str], None] = print) -> DecodeReport:
+    """Load the model of `path` (a run, a checkpoint or a model folder) and time each draft on the prompts."""
+    from ligertune.inference import generate_reply, load_for_inference, require_chat_template
+
+    check_drafts(config.drafts)
+    if not config.prompts:
+        raise UserError("--prompt: give at least one prompt")
+    loaded = load_for_inference(path, device=config.device, dtype=config.dtype,
+                                trust_remote_code=config.trust_remote_code)
+    require_chat_template(loaded)
+    report = DecodeReport(model=str(path), device=loaded.device.type, dtype=str(loaded.dtype).removeprefix("torch."),
+                          max_new_tokens=config.max_new_tokens, repeats=config.repeats, prompts=list(config.prompts))
+    answers: dict[str, list[str]] = {}
+    for name in config.drafts:
+        drafter = None if name == "none" else make_drafter(name, model_dir=loaded.source.model_dir, depth=config.depth)
+
+        def answer(prompt: str, drafter=drafter):
+            return generate_reply(loaded.model, loaded.tokenizer, [{"role": "user", "content": prompt}],
+                                  max_new_tokens=config.max_new_tokens, draft=drafter)
+
+        for _ in range(config.warmup):
+            answer(config.prompts[0])
+        replies, seconds = [], 0.0
+        for prompt in config.prompts:
+            timed = [answer(prompt) for _ in range(config.repeats)]
+            replies.append(timed[0])
+            seconds += statistics.median(r.seconds for r in timed)
+        answers[name] = [r.text for r in replies]
+        stats = DecodeStats.pooled([r.stats for r in replies])
+        row = DecodeRow(
+            draft=name, tokens=stats.tokens, seconds=seconds, forwards=stats.forwards,
+            tokens_per_s=stats.tokens / seconds if seconds > 0 else 0.0, tokens_per_step=stats.tokens_per_step,
+            mean_accepted=stats.mean_accepted, acceptance_per_depth=stats.acceptance_per_depth(),
+            speedup=None, same_as_plain=None,
+        )
+        report.rows.append(row)
+        log(f"{name}: {row.tokens_per_s:.1f} tokens/s, {row.tokens_per_step:.2f} tokens per forward")
+    plain = next((r for r in report.rows if r.draft == "none"), None)
+    if plain is not None:
+        for row in report.rows:
+            row.speedup = row.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else None
+            row.same_as_plain = answers[row.draft] == answers["none"]
+    return report
+
+
+def decode_table(report: DecodeReport) -> Table:
+    table = Table(title=f"decoding at batch 1: {report.model}, {report.device}, {report.dtype}, "
+                        f"{len(report.prompts)} prompts, up to {report.max_new_tokens} tokens each")
+    for column in ("draft", "tokens/s", "speedup", "tokens/fwd", "kept/fwd", "kept by depth", "same"):
+        table.add_column(column, justify="left" if column in ("draft", "kept by depth") else "right")
+    for row in report.rows:
+        table.add_row(
+            row.draft, f"{row.tokens_per_s:.1f}", "" if row.speedup is None else f"{row.speedup:.2f}x",
+            f"{row.tokens_per_step:.2f}", f"{row.mean_accepted:.2f}",
+            " ".join(f"{r:.0%}" for r in row.acceptance_per_depth),
+            "" if row.same_as_plain is None else ("yes" if row.same_as_plain else "NO"),
+        )
+    return table

@@ -1,0 +1,47 @@
+"""Medusa heads over 2 gloo processes (FSDP2, the heads in the loss head, the root): a run stopped
+after a checkpoint and resumed logs the losses of one process, and leaves the same heads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_distributed import ligertune
+from test_medusa import write_medusa_recipe
+
+from ligertune.metrics import read_metrics
+from ligertune.models.medusa import BASE_NOTE, load_heads
+
+
+@pytest.mark.parametrize("backbone", ["frozen", "full"])
+def test_two_processes_train_heads_and_resume_as_one_process(tmp_path: Path, backbone: str):
+    path = write_medusa_recipe(tmp_path, objective={"backbone": backbone}, optim={"schedule": "constant", "lr": 1e-2},
+                               train={"max_steps": 4, "save_every": 2, "eval_every": 2,
+                                      "micro_batch_size": 2, "grad_accum_steps": 1})
+    two = tmp_path / "two"
+    result = ligertune("train", str(path), "--nproc", "2", "-o", str(two), "--set", "train.max_steps=3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = ligertune("train", str(path), "--nproc", "2", "-o", str(two), "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    one = tmp_path / "one"
+    result = ligertune("train", str(path), "-o", str(one), "--set", "train.grad_accum_steps=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    def steps(run: Path) -> list[dict]:
+        return [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+
+    assert [r["step"] for r in steps(two)] == [1, 2, 3, 4]
+    keys = ("loss", "lm_loss", "lm_accuracy", "accepted_length", *(f"head{k}_{m}" for k in (1, 2, 3)
+                                                                  for m in ("loss", "accuracy")))
+    for mine, reference in zip(steps(two), steps(one), strict=True):
+        assert mine["tokens"] == reference["tokens"]
+        for key in keys:
+            assert mine[key] == pytest.approx(reference[key], rel=1e-5), (mine["step"], key)
+    evals = [r for r in read_metrics(two / "metrics.jsonl") if "eval_loss" in r]
+    assert evals and all("eval_head3_accuracy" in r and "eval_accepted_length" in r for r in evals)
+    # the heads gathered from the shards are one process's heads
+    assert (two / "final" / BASE_NOTE).is_file() == (backbone == "frozen")
+    heads_two, heads_one = load_heads(two / "final").state_dict(), load_heads(one / "final").state_dict()
+    for name, value in heads_one.items():
+        assert torch.allclose(heads_two[name], value, rtol=1e-4, atol=1e-6), name

@@ -21,7 +21,7 @@ import torch
 
 from ligertune.decoding.tree import EMPTY, DraftTree, medusa_tree, sparse_tree_choices
 from ligertune.errors import UserError
-from ligertune.models.medusa import HEADS_FILE
+from ligertune.models.medusa import HEADS_FILE, MedusaHeads, has_heads, load_heads
 
 DRAFTS = ("none", "ngram", "medusa")
 MEDUSA_HEADS = HEADS_FILE
@@ -91,8 +91,8 @@ class MedusaDraft:
     token k + 2 places ahead of it (k + 1 after the token its LM head chose); the `top_k` tokens of
     each head are arranged in the sparse tree of `choices` (`medusa_tree`).
 
-    `heads` maps the hidden state [hidden] to the heads' logits [heads, vocab]; it is the trained
-    heads' module (`ligertune.models.medusa.MedusaHeads`; `medusa_drafter` does not read them yet).
+    `heads` maps the hidden state [hidden] to the heads' logits [heads, vocab] (`HeadLogits` of the
+    trained heads, `medusa_drafter`).
     """
 
     heads: Callable[[torch.Tensor], torch.Tensor]
@@ -117,15 +117,29 @@ def default_medusa_choices(heads: int, size: int = 64, top_k: int = 10) -> list[
     return sparse_tree_choices(accuracy, size)
 
 
+class HeadLogits:
+    """Trained Medusa heads as `MedusaDraft.heads`: the logits [heads, vocab] of one hidden state, the
+    heads moved to its device and dtype at the first call."""
+
+    def __init__(self, heads: MedusaHeads):
+        self.heads = heads.eval()
+
+    @torch.no_grad()
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.heads.heads[0].proj.weight
+        if weight.device != hidden.device or weight.dtype != hidden.dtype:
+            self.heads.to(device=hidden.device, dtype=hidden.dtype)
+        return self.heads(hidden).float()
+
+
 def medusa_drafter(model_dir: Path) -> Drafter:
-    """The Medusa drafter of a model folder's trained heads (`MEDUSA_HEADS`); a user error when there
-    are none."""
-    path = Path(model_dir) / MEDUSA_HEADS
-    if not path.is_file():
+    """The Medusa drafter of a model folder's trained heads (`MEDUSA_HEADS`, read as data by
+    `load_heads`), in the sparse tree of `default_medusa_choices`; a user error when there are none."""
+    if not has_heads(model_dir):
         raise UserError(f"--draft medusa: {model_dir} has no Medusa heads ({MEDUSA_HEADS}); "
                         "use --draft ngram or --draft none")
-    raise UserError(f"--draft medusa: {path}: reading Medusa heads is not supported yet; "
-                    "use --draft ngram or --draft none")
+    heads = load_heads(model_dir)
+    return MedusaDraft(HeadLogits(heads), default_medusa_choices(heads.config.heads))
 
 
 def make_drafter(name: str, *, model_dir: Path | None = None, depth: int = 5) -> Drafter:

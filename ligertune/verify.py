@@ -2,7 +2,9 @@
 
 For a sample of the recipe's conversations and the recipe's model, and for each normalization mode
 (a preference recipe: `ligertune.verify_preference`, its pairs and the mean over them; a
-distillation recipe: its teacher beside the model, and the loss of docs/distill.md):
+distillation recipe: its teacher beside the model, and the loss of docs/distill.md; a Medusa recipe:
+its heads, their blocks perturbed from the identity, and the loss of docs/medusa.md, each head's
+targets shifted inside each conversation and normalised over themselves):
 
 - the reference runs each conversation alone (one row each, right-padded, the model's own sdpa
   attention, no ligertune kernel) and computes the loss by the definition of docs/loss.md from the
@@ -51,13 +53,15 @@ from ligertune.models import decoder_of, load_tokenizer, unpatch_model
 from ligertune.models.lora import patch_lora, unpatch_lora
 from ligertune.numerics import relative_error
 from ligertune.models.head import divergence_from_logits
-from ligertune.objectives import Distill, Objective, build_objective
+from ligertune.objectives import Distill, Medusa, Objective, build_objective
+from ligertune.objectives.medusa import head_targets
 from ligertune.objectives.normalization import step_token_weights
 from ligertune.recipe import LossConfig, Recipe
 from ligertune.training.build import (
     attach_teacher,
     build_device,
     build_head,
+    build_medusa_heads,
     build_model,
     build_teacher_model,
     patch_kernels,
@@ -126,10 +130,6 @@ class LossAndGrads:
 def verify_loss(recipe: Recipe, *, samples: int = 8, modes: Sequence[str] = ("token", "sequence")) -> Report:
     """Run every case of the module docstring for each mode; see `Report.passed`."""
     build_objective(recipe)  # an objective the trainer cannot run yet is refused before anything loads
-    if recipe.objective.name == "medusa":
-        raise UserError("objective.name: verify-loss does not check Medusa heads yet (it would check the model's "
-                        "own next-token loss only); each head's loss is SFT's over targets shifted inside each "
-                        "conversation, normalised as docs/medusa.md says")
     if recipe.objective.preference:
         from ligertune.verify_preference import verify_preference_loss
 
@@ -164,6 +164,12 @@ def verify_loss(recipe: Recipe, *, samples: int = 8, modes: Sequence[str] = ("to
     model.eval()  # no dropout: every case must see the same function
     loss_cfg = recipe.loss
     head = build_head(model, recipe.kernels, loss_cfg)
+    trained = model  # whose trainable parameters' gradients are compared
+    if isinstance(objective, Medusa):
+        heads = build_medusa_heads(recipe, model)
+        perturb_heads(heads, recipe.train.seed)
+        head.attach_medusa(heads, frozen_backbone=objective.options.frozen)
+        trained = head  # the model's (none when frozen) and the heads'
     pad_id = pad_token_id(tokenizer)
     tolerances = TOLERANCES.get(dtype, TOLERANCES[torch.bfloat16])
     max_len = max(len(e.input_ids) for e in examples)
@@ -179,8 +185,8 @@ def verify_loss(recipe: Recipe, *, samples: int = 8, modes: Sequence[str] = ("to
     for mode in modes:
         with reference_model(*both):
             references[mode] = reference = run_reference(model, examples, pad_id, loss_cfg, mode, device,
-                                                         objective=objective)
-        compare = Comparison(head, head.model, reference, loss_cfg, mode, device, tolerances, cases,
+                                                         objective=objective, head=head)
+        compare = Comparison(head, trained, reference, loss_cfg, mode, device, tolerances, cases,
                              objective=objective)
         patch_ligertune(model, recipe, teacher=teacher_model)
         try:
@@ -218,7 +224,7 @@ def verify_loss(recipe: Recipe, *, samples: int = 8, modes: Sequence[str] = ("to
                                                    length=lambda i: len(examples[i]))[topology.rank]]
         world = topology.world_size
         for mode in modes:
-            compare = Comparison(engine, model, references[mode], loss_cfg, mode, device, tolerances, cases,
+            compare = Comparison(engine, trained, references[mode], loss_cfg, mode, device, tolerances, cases,
                                  topology=topology, objective=objective)
             compare(f"{world} processes, packed, 1 micro-batch each", "ligertune",
                     [collate(pack(share, capacity))])
@@ -261,7 +267,7 @@ class Comparison:
     tolerances: tuple[float, float]
     cases: list[Case]
     topology: Topology | None = None  # set: the loss and gradients are summed over the processes
-    objective: Objective | None = None  # distillation: the loss of its fused divergence, not SFT's
+    objective: Objective | None = None  # distillation, Medusa: their loss, not SFT's
 
     def __call__(self, name: str, kind: str, micro: list[Batch], *, isolate: bool = True,
                  restart: bool = True, weighting: Callable | None = None) -> None:
@@ -308,6 +314,15 @@ def perturb_lora(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32).to(p) * 1e-2)
 
 
+def perturb_heads(heads: torch.nn.Module, seed: int) -> None:
+    """Move the Medusa heads' residual blocks off the identity (their zero start) and their output
+    layers off the model's, so that every weight of theirs has a gradient worth comparing."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn(p.shape, generator=generator, dtype=torch.float32).to(p) * 2e-2)
+
+
 @contextlib.contextmanager
 def reference_model(*models: torch.nn.Module) -> Iterator[None]:
     """The models with `transformers`' own sdpa attention, for the duration of the block."""
@@ -349,10 +364,14 @@ def definition_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.
 
 
 def run_reference(model: torch.nn.Module, examples: list[TokenizedExample], pad_id: int, cfg: LossConfig,
-                  mode: str, device: torch.device, *, objective: Objective | None = None) -> LossAndGrads:
+                  mode: str, device: torch.device, *, objective: Objective | None = None,
+                  head: torch.nn.Module | None = None) -> LossAndGrads:
     """The loss of docs/loss.md (distillation: docs/distill.md, against the teacher's logits of each
-    conversation alone) in float64 from the full logits, and its gradients."""
+    conversation alone; Medusa: docs/medusa.md, from each head's logits of each conversation alone,
+    through the heads of `head`) in float64 from the full logits, and its gradients."""
     batch = collate_padded(examples, pad_id).to(device)
+    if isinstance(objective, Medusa):
+        return medusa_reference(head, batch, cfg, mode, objective)
     model.zero_grad(set_to_none=True)
     inputs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
                   use_cache=False)
@@ -371,17 +390,51 @@ def run_reference(model: torch.nn.Module, examples: list[TokenizedExample], pad_
     return LossAndGrads(loss.item(), collect_grads(model))
 
 
+def medusa_reference(head: torch.nn.Module, batch, cfg: LossConfig, mode: str, objective: Medusa) -> LossAndGrads:
+    """Medusa's loss by definition, one conversation per row: sum_k lambda_k L_k (+ lm_weight L_LM
+    when the model trains), L_k from head k's logits of its targets, the label k places later in the
+    same row, weighted by docs/loss.md over head k's own targets; gradients of the model and heads."""
+    head.zero_grad(set_to_none=True)
+    inputs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                  use_cache=False)
+    hidden = decoder_of(head.model)(**inputs).last_hidden_state
+    rows = torch.arange(batch.targets.shape[0], device=batch.targets.device)[:, None].expand_as(batch.targets)
+    loss = torch.zeros((), dtype=torch.float64, device=hidden.device)
+    for k, (lam, module) in enumerate(zip(objective.options.head_weights, head.medusa.heads), start=1):
+        targets = head_targets(batch.targets, rows, k, ignore_index=cfg.ignore_index)
+        weights = definition_weights(targets, mode, cfg.ignore_index)
+        loss = loss + lam * definition_loss(module(hidden), targets, weights, cfg)
+    if not objective.options.frozen:
+        weights = definition_weights(batch.targets, mode, cfg.ignore_index)
+        loss = loss + objective.options.lm_weight * definition_loss(head.output_layer(hidden), batch.targets,
+                                                                    weights, cfg)
+    loss.backward()
+    return LossAndGrads(loss.item(), collect_grads(head))
+
+
+def medusa_weights(objective: Medusa, micro: list[Batch], weigh: Callable, ignore_index: int) -> list[torch.Tensor]:
+    """Each micro-batch's [1 + K, ...] weights (`Medusa.step_weights`'s layout) from `weigh(targets,
+    seq_ids)`, applied to the model's own targets and to each head's over the whole step."""
+    seq_ids = [b.seq_ids for b in micro]
+    rows = [weigh([b.targets for b in micro], seq_ids)]
+    for k in range(1, objective.options.heads + 1):
+        shifted = [head_targets(b.targets, b.seq_ids, k, ignore_index=ignore_index) for b in micro]
+        rows.append(weigh(shifted, seq_ids))
+    return [torch.stack(per_batch) for per_batch in zip(*rows)]
+
+
 def run_candidate(engine: Callable, model: torch.nn.Module, micro: list[Batch], cfg: LossConfig, mode: str,
                   device: torch.device, *, isolate: bool, restart: bool, weighting: Callable | None,
                   distributed: bool = False, objective: Objective | None = None) -> LossAndGrads:
     micro = [b.to(device) for b in micro]
     targets = [b.targets for b in micro]
     seq_ids = [b.seq_ids for b in micro]
-    if weighting is None:
-        weights = step_token_weights(targets, seq_ids, mode, ignore_index=cfg.ignore_index,
-                                     across_ranks=distributed)
+    weigh = weighting or (lambda targets, seq_ids: step_token_weights(
+        targets, seq_ids, mode, ignore_index=cfg.ignore_index, across_ranks=distributed))
+    if isinstance(objective, Medusa):
+        weights = medusa_weights(objective, micro, weigh, cfg.ignore_index)
     else:
-        weights = weighting(targets, seq_ids)
+        weights = weigh(targets, seq_ids)
     model.zero_grad(set_to_none=True)
     total = torch.zeros((), dtype=torch.float64, device=device)
     for i, (batch, w) in enumerate(zip(micro, weights)):
@@ -396,6 +449,9 @@ def run_candidate(engine: Callable, model: torch.nn.Module, micro: list[Batch], 
         with accumulating(engine, last=i == len(micro) - 1):
             if isinstance(objective, Distill):
                 out = objective.loss_of(engine, batch.input_ids, position_ids, batch.targets, w, **boundaries)
+            elif isinstance(objective, Medusa):
+                out = objective.loss_of(engine, batch.input_ids, position_ids, batch.targets, w, batch.seq_ids,
+                                        **boundaries)
             else:
                 out = engine(batch.input_ids, position_ids, batch.targets, w, **boundaries)
             out.loss.backward()

@@ -122,9 +122,18 @@ class Medusa:
         return [torch.stack(per_batch) for per_batch in zip(*rows)]
 
     def forward(self, engine: nn.Module, batch: Batch | PaddedBatch, weights: torch.Tensor) -> MicroBatchLoss:
-        out = engine(batch.input_ids, batch.position_ids, batch.targets, weights[0],
-                     medusa_targets=all_head_targets(batch, self.options.heads, ignore_index=self.loss.ignore_index),
-                     medusa_weights=weights[1:], **attention_of(batch))
+        return self.loss_of(engine, batch.input_ids, batch.position_ids, batch.targets, weights,
+                            conversation_ids(batch), **attention_of(batch))
+
+    def loss_of(self, engine: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
+                targets: torch.Tensor, weights: torch.Tensor, conversations: torch.Tensor,
+                **attention) -> MicroBatchLoss:
+        """The loss and sums of a micro-batch's tokens under `attention` (`attention_of`, or another
+        for a check), the heads' targets shifted inside the `conversations` (`conversation_ids`)."""
+        heads = torch.stack([head_targets(targets, conversations, k, ignore_index=self.loss.ignore_index)
+                             for k in range(1, self.options.heads + 1)])
+        out = engine(input_ids, position_ids, targets, weights[0], medusa_targets=heads, medusa_weights=weights[1:],
+                     **attention)
         loss = sum(w * head.loss for w, head in zip(self.options.head_weights, out.heads))
         reported = sum(w * (head.loss.detach() - head.z_loss) for w, head in zip(self.options.head_weights, out.heads))
         if not self.options.frozen:

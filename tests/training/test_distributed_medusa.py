@@ -1,8 +1,10 @@
-"""Medusa heads over 2 gloo processes (FSDP2, the heads in the loss head, the root): a run stopped
-after a checkpoint and resumed logs the losses of one process, and leaves the same heads."""
+"""Medusa heads over 2 gloo processes (FSDP2, the heads in the loss head, the root): verify-loss deals
+a step out exactly, and a run stopped after a checkpoint and resumed logs the losses of one process
+and leaves the same heads."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,16 @@ from test_medusa import write_medusa_recipe
 
 from ligertune.metrics import read_metrics
 from ligertune.models.medusa import BASE_NOTE, load_heads
+
+
+def test_verify_loss_deals_a_medusa_step_to_two_processes(tmp_path: Path):
+    path = write_medusa_recipe(tmp_path)
+    result = ligertune("verify-loss", str(path), "--nproc", "2", "--samples", "6", "--json")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    sharded = [c for c in report["cases"] if c["name"].startswith("2 processes") and c["kind"] == "ligertune"]
+    assert len(sharded) == 4 and all(c["pass"] for c in sharded), sharded
+    assert report["pass"]
 
 
 @pytest.mark.parametrize("backbone", ["frozen", "full"])

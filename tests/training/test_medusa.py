@@ -195,10 +195,11 @@ def reference_head_losses(model, heads: MedusaHeads, conversations: list[tuple[l
     return losses
 
 
-@pytest.mark.parametrize("mode", ["token", "sequence", "sum"])
-def test_each_head_loss_is_the_float64_loss_of_the_conversations_one_by_one(tmp_path: Path, mode: str):
-    """Packed, cut into two micro-batches, fused: each head's loss and the gradient of its weights are
-    those of a float64 loop over the conversations alone."""
+@pytest.mark.parametrize(("mode", "fused"), [("token", True), ("sequence", True), ("sum", True), ("token", False)],
+                         ids=["token", "sequence", "sum", "token-unfused"])
+def test_each_head_loss_is_the_float64_loss_of_the_conversations_one_by_one(tmp_path: Path, mode: str, fused: bool):
+    """Packed, cut into two micro-batches, fused (or through the heads' logits): each head's loss and
+    the gradient of its weights are those of a float64 loop over the conversations alone."""
     from ligertune.data import pack
     from ligertune.data.packing import shift_labels
     from ligertune.models import load_tokenizer
@@ -207,7 +208,8 @@ def test_each_head_loss_is_the_float64_loss_of_the_conversations_one_by_one(tmp_
 
     recipe = load_recipe(write_recipe(tmp_path, n_train=10, objective={"name": "medusa", "heads": 3,
                                                                        "head_layers": 2},
-                                      loss={"normalization": mode}, data={"max_seq_len": 128}))
+                                      loss={"normalization": mode}, data={"max_seq_len": 128},
+                                      kernels={"fused_linear_cross_entropy": fused}))
     tokenizer = load_tokenizer(recipe.model)
     examples = build_data(recipe, tokenizer, show_progress=False).train_examples
     from ligertune.training.build import build_model
@@ -215,6 +217,7 @@ def test_each_head_loss_is_the_float64_loss_of_the_conversations_one_by_one(tmp_
     model = build_model(recipe, device=torch.device("cpu"), vocab_size=len(tokenizer)).module
     run = build_run(recipe, model, device=torch.device("cpu"), total_steps=1)
     heads = run.head.medusa
+    assert run.head.fused_heads == fused
     torch.manual_seed(0)
     with torch.no_grad():  # blocks that do something, so that their gradients are compared too
         for p in heads.parameters():
@@ -244,6 +247,24 @@ def test_each_head_loss_is_the_float64_loss_of_the_conversations_one_by_one(tmp_
     assert sums["loss"] == pytest.approx(total.item(), rel=1e-5)
     for got, p in zip(got_grads, heads.parameters()):
         assert (got.double() - p.grad.double()).norm() <= 1e-4 * p.grad.double().norm()
+
+
+@pytest.mark.parametrize("backbone", ["frozen", "lora"])
+def test_verify_loss_holds_for_medusa(tmp_path: Path, backbone: str):
+    """Packed, unpacked, one micro-batch or one per conversation: the heads' (and, under LoRA, the
+    model's) loss and gradients are the float64 definition's; without isolation or with a mean per
+    micro-batch they are not."""
+    from ligertune.verify import verify_loss
+
+    lora = {"lora": {"r": 4, "alpha": 8, "target_modules": "all-linear"}} if backbone == "lora" else {}
+    path = write_medusa_recipe(tmp_path, objective={"backbone": backbone}, **lora)
+    report = verify_loss(load_recipe(path), samples=6, modes=["token", "sequence"])
+    ours = [c for c in report.cases if c.kind == "ligertune"]
+    assert len(ours) == 8 and report.passed, [c for c in ours if not c.passed]
+    naive = {(c.name, c.mode): c for c in report.cases if c.kind == "naive"}
+    assert not naive[("no attention isolation", "token")].passed
+    assert not naive[("mean per micro-batch, 6x1", "token")].passed
+    assert not naive[("token mean for sequence", "sequence")].passed
 
 
 # --------------------------------------------------------------------------------------------------

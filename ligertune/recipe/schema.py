@@ -397,7 +397,7 @@ class ObjectiveConfig:
         1.0,
         "`medusa` with `backbone: lora` or `full`: the weight of the model's own next-token "
         "cross-entropy in the step's loss, lm_weight L_LM + sum_k lambda_k L_k. Medusa-2 keeps the "
-        "model's answers by weighing the heads lightly against it (the paper's lambda_0 of about 0.2: "
+        "model's answers by weighing the heads lightly against it (the paper's small lambda_0; e.g. "
         "`head_weights` of 0.2 x 0.8^k). >= 0; with `backbone: frozen` the model's loss is reported, "
         "never trained, and this key is refused.",
     )

@@ -1,4 +1,6 @@
-"""A run's curves from its metrics.jsonl, as one PNG: loss (train and eval), learning rate, grad norm.
+"""A run's curves from its metrics.jsonl, as one PNG: loss (train and eval), learning rate, grad norm,
+and what the objective is judged by (`OBJECTIVE_PANELS`: a preference run's reward accuracy and
+margin, a distillation's divergence, Medusa heads' accepted length), train and held out.
 
     plot_metrics(Path("runs/quickstart/metrics.jsonl"), Path("runs/quickstart/loss.png"))
 
@@ -18,6 +20,14 @@ from ligertune.metrics import read_metrics
 SMOOTH_FROM = 50
 """With this many train records or more, the raw loss is drawn faint under a smoothed line."""
 
+OBJECTIVE_PANELS = {
+    "reward_accuracy": "reward accuracy",
+    "reward_margin": "reward margin",
+    "divergence": "divergence",
+    "accepted_length": "accepted length",
+}
+"""The metrics (train, and held out as `eval_<name>`) that get a panel of their own when a run has them."""
+
 
 def require_matplotlib() -> None:
     """Fail with the extra to install when matplotlib is missing."""
@@ -28,7 +38,8 @@ def require_matplotlib() -> None:
 
 
 def plot_metrics(metrics_path: Path, output_png: Path) -> Path:
-    """Draw train and eval loss, learning rate and gradient norm against step; return `output_png`.
+    """Draw train and eval loss, the objective's own metrics, learning rate and gradient norm against
+    step; return `output_png`.
 
     Panels without data (a run with no eval, records without `grad_norm`) are left out. The PNG is
     written to a temporary sibling and renamed, so a reader never sees half a file.
@@ -56,7 +67,9 @@ def metrics_figure(records: list[dict], *, title: str, source: str = "metrics"):
     eval_loss = _series(records, "eval_loss")
     if not train["loss"][0] and not eval_loss[0]:
         raise UserError(f"{source}: no train or eval loss to plot")
-    panels = ["loss"] + [key for key in ("lr", "grad_norm") if train[key][0]]
+    judged = {key: (_series(records, key), _series(records, f"eval_{key}")) for key in OBJECTIVE_PANELS}
+    judged = {key: series for key, series in judged.items() if series[0][0] or series[1][0]}
+    panels = ["loss", *judged] + [key for key in ("lr", "grad_norm") if train[key][0]]
 
     fig = Figure(figsize=(8, 1.2 + 3.2 + 1.8 * (len(panels) - 1)), layout="constrained")
     FigureCanvasAgg(fig)
@@ -79,6 +92,16 @@ def metrics_figure(records: list[dict], *, title: str, source: str = "metrics"):
     ax.legend(loc="upper right", fontsize=8, frameon=False)
 
     for ax, key in zip(axes[1:], panels[1:]):
+        if key in judged:
+            (steps, values), held = judged[key]
+            if steps:
+                ax.plot(steps, _smoothed(values) if len(steps) >= SMOOTH_FROM else values, color="tab:blue",
+                        linewidth=1.2, label="train")
+            if held[0]:
+                ax.plot(*held, color="tab:orange", linewidth=1.2, marker="o", markersize=3, label="eval")
+            ax.set_ylabel(OBJECTIVE_PANELS[key])
+            ax.legend(loc="best", fontsize=8, frameon=False)
+            continue
         steps, values = train[key]
         ax.plot(steps, values, color="tab:green" if key == "lr" else "tab:purple", linewidth=1.2)
         ax.set_ylabel("learning rate" if key == "lr" else "grad norm")

@@ -55,6 +55,22 @@ def test_panels_hold_train_and_eval_loss_lr_and_grad_norm(tmp_path: Path):
     assert fig.get_suptitle() == "run: train loss 2.657 at step 12, eval loss 5.7 -> 2.61"
 
 
+def test_the_objective_gets_panels_of_what_judges_it():
+    """A preference run's reward accuracy and margin, train and held out, between the loss and the
+    learning rate; a run without such metrics has none (the test above)."""
+    records = [{"step": s, "loss": 0.7 - 0.01 * s, "lr": 1e-4, "reward_accuracy": 0.1 * s,
+                "reward_margin": 0.2 * s} for s in range(1, 5)]
+    records += [{"step": s, "eval_loss": 0.69 - 0.02 * s, "eval_reward_accuracy": 0.15 * s,
+                 "eval_reward_margin": 0.25 * s} for s in (0, 2, 4)]
+    loss, accuracy, margin, lr = metrics_figure(records, title="dpo").axes
+    assert accuracy.get_ylabel() == "reward accuracy" and margin.get_ylabel() == "reward margin"
+    assert line_data(accuracy)["train"] == ([1, 2, 3, 4], [0.1 * s for s in range(1, 5)])
+    assert line_data(margin)["eval"] == ([0, 2, 4], [0.25 * s for s in (0, 2, 4)])
+    assert lr.get_ylabel() == "learning rate"
+    distill = [{"step": s, "loss": 1.0 / s, "divergence": 1.0 / s} for s in range(1, 4)]
+    assert [ax.get_ylabel() for ax in metrics_figure(distill, title="kd").axes] == ["loss", "divergence"]
+
+
 def test_long_runs_draw_a_smoothed_loss_over_the_raw_one(tmp_path: Path):
     records = read_metrics(write_metrics(tmp_path / "run", steps=120, eval_every=40))
     loss = metrics_figure(records, title="run").axes[0]

@@ -528,15 +528,17 @@ def peak_memory_gib(device: torch.device) -> float:
 
 def held_out_trend(metrics_path: Path, names: Sequence[str]) -> list[tuple[str, str]]:
     """`eval <name>: first -> last` for each of the held-out metrics `names` (a preference run's
-    rewards; a distilled student's own loss and accuracy), from the run's metrics file."""
+    rewards; a distilled student's own loss and accuracy; Medusa heads' accuracies and accepted
+    length), from the run's metrics file."""
     records = [r for r in read_metrics(metrics_path) if "eval_loss" in r]
     rows = []
     for name in names:
         values = [r[f"eval_{name}"] for r in records if f"eval_{name}" in r]
         if values:
             percent = name.endswith("accuracy")
+            signed = name.startswith("reward")  # a reward or a margin may lie either side of 0
             show = ((lambda v: f"{v:.1%}") if percent else (lambda v: f"{v:.3f} tokens") if name == "accepted_length"
-                    else (lambda v: f"{v:+.4f}"))
+                    else (lambda v: f"{v:+.4f}") if signed else (lambda v: f"{v:.4f}"))
             rows.append((f"eval {name.replace('_', ' ')}", f"{show(values[0])} -> {show(values[-1])}"))
     return rows
 

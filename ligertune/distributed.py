@@ -77,6 +77,8 @@ def init_process_group(topology: Topology, device_type: str, *, timeout_minutes:
             "nccl" if device_type == "cuda" else "gloo",
             rank=topology.rank, world_size=topology.world_size,
             timeout=datetime.timedelta(minutes=timeout_minutes),
+            # The rank's GPU, named: a barrier otherwise warns on stderr that it guesses the device.
+            device_id=device if device_type == "cuda" else None,
         )
     return device
 

@@ -331,19 +331,9 @@ class CausalLMLoss(nn.Module):
             out.loss = out.loss + hidden.sum().float() * 0.0
         return out
 
-    def hidden_states(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None,
-        *,
-        cu_seqlens: torch.Tensor | None = None,
-        max_seqlen: int | None = None,
-        cu_seqlens_k: torch.Tensor | None = None,
-        max_seqlen_k: int | None = None,
-        key_index: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The decoder's last hidden states (after the final norm) of `input_ids` [B, L]: [B * L, H].
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, **attention) -> torch.Tensor:
+        """The decoder's last hidden states (after the final norm) of `input_ids` [B, L]: [B * L, H],
+        under the attention of `last_hidden_states`' keywords.
 
         For a loss that scores rows of its own choosing (preference training): it gathers the rows
         and projects them with `output_projection()`, so no [tokens, vocab] logits are formed.
@@ -354,9 +344,7 @@ class CausalLMLoss(nn.Module):
         Under FSDP2 the output projection is gathered by its module's hooks only in a forward of
         that module: call it within one (as `forward` does), not on a weight read outside.
         """
-        return last_hidden_states(self.model, input_ids, position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                                  cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k, key_index=key_index,
-                                  attention_mask=attention_mask)
+        return last_hidden_states(self.model, input_ids, position_ids, **attention)
 
     def answer_logps(
         self,

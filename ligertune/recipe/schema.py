@@ -120,8 +120,9 @@ class DataConfig:
     format: Literal["auto", "messages", "sharegpt", "prompt_completion", "paired", "paired_conversations",
                     "unpaired"] = _field(
         "auto",
-        "Record format. Chat data for `objective.name: sft`: OpenAI `messages`, ShareGPT `conversations`, "
-        "or `prompt_completion`. Preference data for the other objectives (docs/data.md): `paired` "
+        "Record format. Chat data for `objective.name` sft, distill and medusa: OpenAI `messages`, "
+        "ShareGPT `conversations`, or `prompt_completion`. Preference data for dpo, ipo, simpo, orpo and "
+        "kto (docs/data.md): `paired` "
         "(`prompt`, `chosen`, `rejected`), `paired_conversations` (`chosen` and `rejected` whole "
         "conversations, TRL style), `unpaired` (`prompt`, `completion`, `label` true/false: KTO). `auto` "
         "detects it from each source's first record, among the formats of the objective.",

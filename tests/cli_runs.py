@@ -105,3 +105,16 @@ def process_of_rank(launcher: subprocess.Popen, rank: int) -> int:
                 found.append(pid)
     assert len(found) == 1, f"processes of rank {rank} under {launcher.pid}: {found}"
     return found[0]
+
+
+def two_processes_resumed_and_one(recipe: Path, folder: Path, *, stop_after: int) -> tuple[Path, Path]:
+    """Train `recipe` (its `train.grad_accum_steps` 1) with 2 processes into `folder/two`, stopped after
+    step `stop_after` and continued with `--resume`, and straight with 1 process and twice the
+    accumulation into `folder/one`: the two run folders, whose steps should match."""
+    two, one = folder / "two", folder / "one"
+    for args in (("--nproc", "2", "-o", str(two), "--set", f"train.max_steps={stop_after}"),
+                 ("--nproc", "2", "-o", str(two), "--resume"),
+                 ("-o", str(one), "--set", "train.grad_accum_steps=2")):
+        result = ligertune("train", str(recipe), *args)
+        assert result.returncode == 0, result.stderr[-3000:]
+    return two, one

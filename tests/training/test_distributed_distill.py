@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from cli_runs import two_processes_resumed_and_one
 from test_distill import write_distill_recipe
 from test_distributed import ligertune
 
@@ -27,14 +28,7 @@ def test_two_processes_distil_and_resume_as_one_process(tmp_path: Path):
     path = write_distill_recipe(tmp_path, optim={"schedule": "constant", "lr": 1e-2},
                                 train={"max_steps": 4, "save_every": 2, "eval_every": 2,
                                        "micro_batch_size": 2, "grad_accum_steps": 1})
-    two = tmp_path / "two"
-    result = ligertune("train", str(path), "--nproc", "2", "-o", str(two), "--set", "train.max_steps=3")
-    assert result.returncode == 0, result.stderr[-3000:]
-    result = ligertune("train", str(path), "--nproc", "2", "-o", str(two), "--resume")
-    assert result.returncode == 0, result.stderr[-3000:]
-    one = tmp_path / "one"
-    result = ligertune("train", str(path), "-o", str(one), "--set", "train.grad_accum_steps=2")
-    assert result.returncode == 0, result.stderr[-3000:]
+    two, one = two_processes_resumed_and_one(path, tmp_path, stop_after=3)
 
     def steps(run: Path) -> list[dict]:
         return [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]

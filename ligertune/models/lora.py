@@ -43,6 +43,10 @@ the same y (to rounding, and rounding less where it differs):
   take peft's operations in peft's order, the scaling and the sum done in place on the B product
   (autograd keeps the product's inputs, not the product), so y rounds as peft's does.
 
+Over a quantized base (QLoRA) base(x) is the bitsandbytes layer's own product and the rest is as
+above; where peft's rounding is kept (float32 adapters), it is that of peft's bitsandbytes layers,
+which cast the adapter product to the output's dtype before the sum.
+
 With dropout 0 peft's `Identity` is not called. What is left to autograd: per layer, the columns of
 U (tokens x r, for grad B) and the adapter weights; per group, x. The parameters and modules are
 peft's own, untouched, so `save_pretrained`, `PeftModel.from_pretrained`, `merge_and_unload` and
@@ -173,7 +177,8 @@ class _SharedInput:
 
 
 def _fast_lora_forward(
-    module: nn.Module, x: torch.Tensor, *args, group: _SharedInput, index: int, adapter: str, **kwargs
+    module: nn.Module, x: torch.Tensor, *args, group: _SharedInput, index: int, adapter: str,
+    cast_before_sum: bool, **kwargs
 ) -> torch.Tensor:
     if args or kwargs or not _fast_now(module, x, adapter):
         return type(module).forward(module, x, *args, **kwargs)
@@ -195,7 +200,9 @@ def _fast_lora_forward(
         # Adapters of another dtype (float32 over a 16-bit model): peft's operations in peft's order,
         # the scaling and the sum in place where the product has the sum's dtype.
         delta = lora_b(u).mul_(scale)
-        if delta.dtype == torch.promote_types(delta.dtype, result.dtype):
+        if cast_before_sum:  # peft's bitsandbytes layers round the product to the output's dtype first
+            out = result + delta.to(result.dtype)
+        elif delta.dtype == torch.promote_types(delta.dtype, result.dtype):
             out = delta.add_(result)
         else:
             out = result + delta
@@ -234,18 +241,18 @@ def _kept_reason(module: nn.Module, adapter: str) -> str | None:
 def patch_lora(model: nn.Module) -> LoraPatchReport:
     """Give every LoRA Linear layer of a peft model the fast forward; see the module docstring.
 
-    Layers of other types (bitsandbytes' quantized LoRA layers, embeddings) keep peft's forward.
+    peft's LoRA layers over bitsandbytes' 4-bit and 8-bit layers (QLoRA) are covered as plain ones;
+    other types (embeddings) keep peft's forward.
     Patching twice is harmless; `unpatch_lora` reverts.
     """
-    from peft.tuners.lora.layer import Linear as LoraLinear
-
+    layer_types = _lora_linear_types()
     unpatch_lora(model)
     base = unwrap_model(model)
     share = getattr(getattr(base, "config", None), "model_type", None) in PATCH_TABLE
     report = LoraPatchReport()
     ready: dict[str, tuple[nn.Module, str]] = {}
     for name, module in base.named_modules():
-        if type(module) is not LoraLinear:
+        if type(module) not in layer_types:
             continue
         active = list(module.active_adapters)
         reason = "several active adapters" if len(active) != 1 else _kept_reason(module, active[0])
@@ -271,10 +278,24 @@ def patch_lora(model: nn.Module) -> LoraPatchReport:
         group = _SharedInput(members)
         for index, (module, adapter) in enumerate(members):
             module.forward = functools.partial(_fast_lora_forward, module, group=group, index=index,
-                                               adapter=adapter)
+                                               adapter=adapter, cast_before_sum=layer_types[type(module)])
         report.modules += len(members)
         report.shared += len(members) > 1
     return report
+
+
+def _lora_linear_types() -> dict[type, bool]:
+    """peft's LoRA Linear classes that the fast forward runs -> whether peft's forward of that class
+    casts the adapter product to the output's dtype before the sum: its layers over bitsandbytes'
+    4-bit and 8-bit bases do (present where bitsandbytes is installed), its plain Linear sums first."""
+    from peft.tuners.lora import bnb
+    from peft.tuners.lora.layer import Linear
+
+    types = {Linear: False}
+    for name in ("Linear4bit", "Linear8bitLt"):
+        if hasattr(bnb, name):
+            types[getattr(bnb, name)] = True
+    return types
 
 
 def _can_share(members: list[tuple[nn.Module, str]]) -> bool:
@@ -284,6 +305,15 @@ def _can_share(members: list[tuple[nn.Module, str]]) -> bool:
         len({a for _, a in members}) == 1
         and len({(w.dtype, w.device, w.shape[1]) for w in weights}) == 1
     )
+
+
+def cast_adapters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Every LoRA weight and LoRA bias of a peft model in `dtype`. peft makes an adapter in its base
+    layer's dtype only where that is a float: over bitsandbytes' 8-bit layers (int8 weights) it
+    makes float32 ones, whatever `autocast_adapter_dtype` says."""
+    for name, param in unwrap_model(model).named_parameters():
+        if (".lora_A." in name or ".lora_B." in name) and param.dtype != dtype:
+            param.data = param.data.to(dtype)
 
 
 def unpatch_lora(model: nn.Module) -> None:

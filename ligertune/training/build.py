@@ -36,7 +36,7 @@ from ligertune.errors import UserError
 from ligertune.kernels import LossOptions
 from ligertune.models import CausalLMLoss, PatchReport, patch_model
 from ligertune.models.head import final_logit_softcap
-from ligertune.models.lora import patch_lora
+from ligertune.models.lora import cast_adapters, patch_lora
 from ligertune.recipe import (
     DataConfig,
     DataSource,
@@ -467,8 +467,6 @@ def wrap_lora(model: nn.Module, cfg: LoraConfig, *, fast: bool = False) -> nn.Mo
     """
     import peft
 
-    from ligertune.models.quantize import quantization_of
-
     lora = peft.LoraConfig(
         r=cfg.r,
         lora_alpha=cfg.alpha,
@@ -479,32 +477,34 @@ def wrap_lora(model: nn.Module, cfg: LoraConfig, *, fast: bool = False) -> nn.Mo
         use_rslora=cfg.use_rslora,
         task_type="CAUSAL_LM",
     )
-    keep = adapters_in_model_dtype(cfg, fast=fast, quantized=quantization_of(model) is not None)
+    keep = adapters_in_model_dtype(cfg, fast=fast)
     try:
         # autocast_adapter_dtype=False: peft leaves each adapter in its base layer's dtype instead of
         # upcasting bfloat16/float16 ones to float32.
         wrapped = peft.get_peft_model(model, lora, autocast_adapter_dtype=not keep)
     except ValueError as err:
         raise UserError(f"lora: {err}") from None
+    if keep:
+        cast_adapters(wrapped, model.get_input_embeddings().weight.dtype)
     if fast:
         patch_lora(wrapped)
     return wrapped
 
 
-def adapters_in_model_dtype(cfg: LoraConfig, *, fast: bool, quantized: bool) -> bool:
+def adapters_in_model_dtype(cfg: LoraConfig, *, fast: bool) -> bool:
     """Whether the LoRA adapters stay in the model's dtype (bfloat16 over a bf16 model) rather than
-    peft's float32: where the fast forward (`kernels.lora`) computes them, that is with `fast`, no
-    dropout and an unquantized base.
+    peft's float32: where the fast forward (`kernels.lora`) computes them, that is with `fast` and no
+    dropout (over a plain or a bitsandbytes-quantized base alike).
 
     There y = base(x) + s (x A^T) B^T is one GEMM in the model's dtype whose epilogue adds base(x),
     about one read and one write of the output per layer where float32 adapters cost ~28 bytes per
     output element (docs/kernels.md), and it rounds once where peft's path over bf16 adapters rounds
     the product, the scaling and the sum. The optimizer steps 16-bit adapters through float32
     master weights (`optim.master_weights`, `ligertune.training.precision`), so the update is as
-    exact as for float32 adapters. Elsewhere peft's own forward runs (bitsandbytes' layers of a
-    quantized base, dropout), which with 16-bit adapters would round three times: it keeps float32.
+    exact as for float32 adapters. With dropout peft's own forward runs, which with 16-bit adapters
+    would round three times: it keeps float32.
     """
-    return fast and cfg.dropout == 0 and not quantized
+    return fast and cfg.dropout == 0
 
 
 def build_head(model: nn.Module, kernels: KernelsConfig, loss: LossConfig) -> CausalLMLoss:
@@ -563,8 +563,7 @@ def trainable_dtypes(recipe: Recipe) -> set[torch.dtype]:
     dtype = resolve_dtype(recipe.model.dtype, "cuda" if cuda else "cpu")
     if recipe.lora is None:
         return {dtype}
-    same = adapters_in_model_dtype(recipe.lora, fast=recipe.kernels.lora,
-                                   quantized=recipe.model.quantization is not None)
+    same = adapters_in_model_dtype(recipe.lora, fast=recipe.kernels.lora)
     return {dtype if same else torch.float32} | ({dtype} if recipe.lora.modules_to_save else set())
 
 
@@ -573,8 +572,7 @@ def optimizer_warnings(recipe: Recipe, dtypes: set[torch.dtype]) -> list[str]:
     parameters of `dtypes` (`ligertune.training.precision.optimizer_warnings`); where those are LoRA
     adapters kept in the model's dtype, the warning of 16-bit steps says so."""
     found = precision.optimizer_warnings(recipe.optim, dtypes, lora=recipe.lora is not None)
-    if recipe.lora is not None and adapters_in_model_dtype(recipe.lora, fast=recipe.kernels.lora,
-                                                           quantized=recipe.model.quantization is not None):
+    if recipe.lora is not None and adapters_in_model_dtype(recipe.lora, fast=recipe.kernels.lora):
         note = ("; these include the LoRA adapters, which kernels.lora keeps in the model's dtype "
                 "(kernels.lora: false gives peft's float32 ones)")
         found = [(key, message + (note if key == "optim.master_weights" else "")) for key, message in found]

@@ -6,6 +6,7 @@ attention, the stored weights against the CPU's, and the memory of an 8B base.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 
 import pytest
@@ -15,6 +16,7 @@ from test_gpu_models import MAX_SEQ_LEN, SMALL_LLAMA, assert_same, conversations
 from ligertune.data.batching import collate
 from ligertune.data.packing import pack
 from ligertune.models import CausalLMLoss, build_model, patch_model, unpatch_model
+from ligertune.models.lora import is_lora_patched, patch_lora, unpatch_lora
 from ligertune.models.quantize import dequantize_weight, layer_quantization, quantize_linears
 from ligertune.recipe import LoraConfig, ModelConfig
 from ligertune.training.build import wrap_lora
@@ -30,13 +32,14 @@ QLORA_LLAMA = {**SMALL_LLAMA, "intermediate_size": 1408}
 BF16 = (1e-2, 5e-2)  # relative tolerance on the loss, on all the adapters' gradients as one vector
 
 
-def small_qlora(kind: str):
-    """The small Llama, bf16, its decoder quantized, LoRA r=16 on every linear layer; the adapters'
-    B away from zero so that every adapter weight gets a gradient."""
+def small_qlora(kind: str, *, fast: bool = False):
+    """The small Llama, bf16, its decoder quantized, LoRA r=16 on every linear layer (with `fast`,
+    `kernels.lora`'s: bf16 adapters, the fast forward); the adapters' B away from zero so that every
+    adapter weight gets a gradient."""
     model = build_model(ModelConfig(config=dict(QLORA_LLAMA), attention="packed", quantization=kind),
                         device="cuda", dtype=torch.bfloat16, seed=0)
     torch.manual_seed(0)
-    model = wrap_lora(model, LoraConfig(r=16, alpha=32))
+    model = wrap_lora(model, LoraConfig(r=16, alpha=32), fast=fast)
     gen = torch.Generator(device="cuda").manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -66,6 +69,31 @@ def test_kernels_over_a_quantized_base_equal_the_unpatched_model(kind):
         unpatch_model(model)
     assert patched[1].numel() == sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
     assert_same(patched, unpatched, *BF16)
+
+
+@pytest.mark.parametrize("fast_adapters", [False, True], ids=["fp32-adapters", "bf16-adapters"])
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_fast_lora_over_a_quantized_base_equals_peft(kind, fast_adapters):
+    """`kernels.lora` over bitsandbytes' layers against peft's forward, over peft's float32 adapters
+    and over the bf16 ones that `kernels.lora` builds (the same adapters on both paths)."""
+    fast = small_qlora(kind, fast=fast_adapters)
+    if not fast_adapters:
+        patch_lora(fast)
+    peft_path = copy.deepcopy(fast)
+    unpatch_lora(peft_path)
+    assert is_lora_patched(fast) and not is_lora_patched(peft_path)
+    adapters = {p.dtype for n, p in fast.named_parameters() if "lora_" in n}
+    assert adapters == {torch.bfloat16 if fast_adapters else torch.float32}
+    batch = collate(pack(conversations([300, 1000, 57, 641], seed=0), MAX_SEQ_LEN)).to("cuda")
+    weights = (batch.targets != -100).float()
+    weights /= weights.sum()
+
+    def values(model):
+        head = CausalLMLoss(model, fused=True)
+        return loss_and_grads(model, [lambda: head(batch.input_ids, batch.position_ids, batch.targets, weights,
+                                                   cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen)])
+
+    assert_same(values(fast), values(peft_path), *BF16)
 
 
 def test_packed_conversations_over_a_quantized_base_equal_one_by_one():

@@ -21,7 +21,14 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ligertune.models.lora import is_lora_patched, patch_lora, shared_lora_a, unpatch_lora
+from ligertune.models.lora import (
+    cast_adapters,
+    is_lora_patched,
+    patch_lora,
+    shared_lora_a,
+    unpatch_lora,
+)
+from ligertune.models.quantize import dequantize_linears, layer_quantization, quantize_linears
 from ligertune.numerics import relative_error
 from ligertune.recipe import KernelsConfig, LoraConfig, ModelConfig, OptimConfig, Recipe, load_recipe
 from ligertune.training.build import (
@@ -59,13 +66,20 @@ TOL = {
     "bf16": {"logits": 2e-2, "grads": 3e-2},
 }
 NOISE = 3.0
+NEEDS_BITSANDBYTES = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
+                                        reason="bitsandbytes is not installed")
 
 
-def wrapped_pair(family: str, case: str, lora: peft.LoraConfig, **fields):
-    """(peft's path, fast path): one tiny model with LoRA, adapters drawn nonzero, and its copy patched."""
+def wrapped_pair(family: str, case: str, lora: peft.LoraConfig, *, quantization: str | None = None,
+                 **fields):
+    """(peft's path, fast path): one tiny model with LoRA, adapters drawn nonzero, and its copy patched;
+    with `quantization`, over the model's linear layers quantized by bitsandbytes."""
     dtype, adapter_dtype = CASES[case]
-    model = peft.get_peft_model(make_model(family, attention="sdpa", dtype=dtype, **fields), lora,
-                                autocast_adapter_dtype=adapter_dtype == torch.float32)
+    base = make_model(family, attention="sdpa", dtype=dtype, **fields)
+    if quantization is not None:
+        quantize_linears(base, quantization, dtype)
+    model = peft.get_peft_model(base, lora, autocast_adapter_dtype=adapter_dtype == torch.float32)
+    cast_adapters(model, adapter_dtype)  # as `ligertune train` does: peft's are float32 over int8 layers
     assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {adapter_dtype}
     perturb_adapters(model)
     fast = copy.deepcopy(model)
@@ -127,10 +141,13 @@ def assert_same(fast, reference, case: str, label: str = "", *, oracle=None) -> 
 
 def float32_oracle(case: str, model, ids, targets):
     """For bf16 adapters, `logits_loss_grads` of a float32 copy of `model` (16-bit weights upcast
-    exactly); None for the other cases, whose tolerances need none."""
+    exactly, a quantized layer's weight as it dequantizes); None for the other cases, whose
+    tolerances need none."""
     if CASES[case][1] != torch.bfloat16:
         return None
-    return logits_loss_grads(copy.deepcopy(model).float(), ids, targets)
+    oracle = copy.deepcopy(model)
+    dequantize_linears(oracle, torch.float32)
+    return logits_loss_grads(oracle.float(), ids, targets)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -148,6 +165,26 @@ def test_fast_lora_equals_peft(family, targets, case):
     ids, targets_ = token_batch()
     assert_same(logits_loss_grads(fast, ids, targets_), logits_loss_grads(model, ids, targets_), case,
                 oracle=float32_oracle(case, model, ids, targets_))
+
+
+@NEEDS_BITSANDBYTES
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("quantization", ["nf4", "int8"])
+def test_fast_lora_over_a_quantized_base_equals_peft(quantization, case):
+    """QLoRA: peft's LoRA layers over bitsandbytes' 4-bit and 8-bit layers run the fast forward too,
+    with peft's values (float32 adapters over a bf16 model: peft's rounding, product cast before the
+    sum)."""
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    model, fast, report = wrapped_pair("llama", case, lora, quantization=quantization)
+    assert (report.modules, report.shared, dict(report.kept)) == (7 * LAYERS, 2 * LAYERS, {})
+    bases = {layer_quantization(m.base_layer) for m in fast.modules() if hasattr(m, "lora_A")}
+    assert bases == {quantization}
+    ids, targets = token_batch()
+    values = logits_loss_grads(fast, ids, targets)
+    reference = logits_loss_grads(model, ids, targets)
+    if case == "bf16-fp32-adapters":
+        assert torch.equal(values[0], reference[0])  # the forward rounds as peft's, operation for operation
+    assert_same(values, reference, case, oracle=float32_oracle(case, model, ids, targets))
 
 
 def errors_against_float32(family: str, case: str, batches: int) -> dict[str, dict[str, float]]:
@@ -441,19 +478,17 @@ def test_base_weights_stay_frozen_in_the_model_dtype():
             assert param.dtype == torch.bfloat16, name
 
 
-NEEDS_BITSANDBYTES = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
-                                        reason="bitsandbytes is not installed")
-
-
 @pytest.mark.parametrize("fast, dropout, quantization, adapters", [
     (True, 0.0, None, torch.bfloat16),
     (False, 0.0, None, torch.float32),
     (True, 0.1, None, torch.float32),
-    pytest.param(True, 0.0, "nf4", torch.float32, marks=NEEDS_BITSANDBYTES),
-], ids=["kernels.lora", "kernels.lora-false", "dropout", "nf4"])
+    pytest.param(True, 0.0, "nf4", torch.bfloat16, marks=NEEDS_BITSANDBYTES),
+    pytest.param(False, 0.0, "nf4", torch.float32, marks=NEEDS_BITSANDBYTES),
+    pytest.param(True, 0.0, "int8", torch.bfloat16, marks=NEEDS_BITSANDBYTES),
+], ids=["kernels.lora", "kernels.lora-false", "dropout", "nf4", "nf4-kernels.lora-false", "int8"])
 def test_adapter_dtype_of_a_bf16_recipe(fast, dropout, quantization, adapters):
-    """`kernels.lora` keeps a bf16 model's adapters in bf16 where its forward computes them; with it
-    off, with dropout, or over bitsandbytes' layers (peft's forward), they are peft's float32.
+    """`kernels.lora` keeps a bf16 model's adapters in bf16 where its forward computes them, over a
+    quantized base too; with it off or with dropout (peft's forward), they are peft's float32.
     `trainable_dtypes` (what `ligertune validate` warns from, before building) agrees with the built
     model, and the warning of 16-bit steps without master weights names the adapters."""
     recipe = Recipe(model=ModelConfig(config=dict(FAMILIES["llama"]), attention="sdpa", dtype="bfloat16",
@@ -463,7 +498,7 @@ def test_adapter_dtype_of_a_bf16_recipe(fast, dropout, quantization, adapters):
     model = build_model(recipe, device=torch.device("cpu"), vocab_size=None).module
     trained = {p.dtype for n, p in model.named_parameters() if p.requires_grad and "lora_" in n}
     assert trained == {p.dtype for p in model.parameters() if p.requires_grad} == {adapters}
-    assert is_lora_patched(model) == (fast and dropout == 0 and quantization is None)
+    assert is_lora_patched(model) == (fast and dropout == 0)
     assert trainable_dtypes(recipe) == trained
     steps = [w for w in optimizer_warnings(recipe, trained) if w.startswith("optim.master_weights")]
     if adapters == torch.bfloat16:

@@ -383,6 +383,16 @@ has stopped; one that is alive beats even while its main thread waits in a colle
 
 HEARTBEAT_WINDOW = 3
 
+STUCK_S = 10.0
+"""How long another process's counter may stand still, with no collective failing in this one,
+before this process takes it as stopped and ends itself (`PeerWatch`'s `on_lost`): its main thread
+may be waiting in a collective that never fails (NCCL waits for a lost peer without end, where gloo's
+connection breaks). Far beyond any pause of a live process's heartbeat thread."""
+
+_FINISHED = 1 << 40
+"""Added to a process's counter when its watch closes without error: a counter at or above it has
+finished, not stopped."""
+
 LAUNCHER_REPORTS = "LIGERTUNE_LAUNCHER_REPORTS"
 """Set by `launch` in its processes' environment: a process that finds ranks lost hands its line to
 the launcher (torch's error file) instead of printing it, and the launcher prints one line a node."""
@@ -469,21 +479,32 @@ class PeerWatch:
     beats after the failure. When the store itself is gone, node 0 (which serves it) is the one lost.
     A failure that no stopped rank explains goes on as it was. Nothing happens with one process.
 
+    With `on_lost`, the thread also watches the other counters: when one stands still for `stuck_s`
+    and no collective has failed here meanwhile (the main thread waits in one that never will), it
+    calls `on_lost` with the `PeersLost` (to report it) and ends the process with exit code 1. A
+    process whose watch closes without error marks its counter finished, so that the others, still
+    at work, do not take it for stopped.
+
     The counters wait for the process group: the watch may open before it is joined, and must close
     before it is destroyed."""
 
-    def __init__(self, topology: Topology, *, interval_s: float = HEARTBEAT_S):
+    def __init__(self, topology: Topology, *, interval_s: float = HEARTBEAT_S,
+                 on_lost: Callable[[PeersLost], None] | None = None, stuck_s: float = STUCK_S):
+        import threading
+
         self.topology = topology
         self.interval_s = interval_s
+        self.on_lost = on_lost
+        self.stuck_s = stuck_s
         self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", topology.world_size))
-        self._stop = None
+        self._stop = threading.Event()
+        self._closing = threading.Lock()  # taken by whichever reports first: the thread or `__exit__`
         self._thread = None
 
     def __enter__(self) -> PeerWatch:
         import threading
 
         if self.topology.distributed:
-            self._stop = threading.Event()
             self._thread = threading.Thread(target=self._beat, name="ligertune-heartbeat", daemon=True)
             self._thread.start()
         return self
@@ -491,6 +512,8 @@ class PeerWatch:
     def __exit__(self, kind, err, traceback) -> None:
         try:
             if self._thread is not None and err is not None and is_collective_failure(err):
+                if not self._closing.acquire(blocking=False):  # the thread is reporting and ending the process
+                    self._thread.join()
                 lost = self._diagnose()
                 if lost is not None:
                     raise lost from err
@@ -498,16 +521,51 @@ class PeerWatch:
             if self._thread is not None:
                 self._stop.set()
                 self._thread.join()
+                if err is None:
+                    with contextlib.suppress(RuntimeError, OSError):
+                        _store().add(_heartbeat_key(self.topology.rank), _FINISHED)
 
     def _beat(self) -> None:
-        key = _heartbeat_key(self.topology.rank)
+        import time
+
+        keys = [_heartbeat_key(rank) for rank in range(self.topology.world_size)]
+        changed: dict[int, tuple[int, float]] = {}  # rank -> (counter, when it last moved)
         while not self._stop.wait(self.interval_s):
             if not dist.is_initialized():
                 continue
             try:
-                _store().add(key, 1)
-            except (RuntimeError, OSError):  # the store is gone (torch's `DistError`s): `_diagnose` says so
+                store = _store()
+                store.add(keys[self.topology.rank], 1)
+                if self.on_lost is None or not store.check(keys):
+                    continue
+                now = time.monotonic()
+                for rank, value in enumerate(store.multi_get(keys)):
+                    value = int(value)
+                    if changed.get(rank, (None,))[0] != value:
+                        changed[rank] = (value, now)
+                stopped = [rank for rank, (value, moved) in changed.items()
+                           if value < _FINISHED and now - moved > self.stuck_s]
+            except (RuntimeError, OSError):  # the store is gone (torch's `DistError`s)
+                stopped = None
+            if stopped is None or stopped:
+                self._end(stopped)
                 return
+
+    def _end(self, stopped: list[int] | None) -> None:
+        """Report `stopped` (None: the store is gone) through `on_lost` and end the process, unless the
+        main thread's collective failed first (it reports) or nothing explains it (the thread stops)."""
+        import sys
+
+        if self.on_lost is None or not self._closing.acquire(blocking=False):
+            return
+        lost = self._lost(stopped)
+        if lost is None:
+            self._closing.release()
+            return
+        self.on_lost(lost)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
     def stopped_ranks(self) -> list[int] | None:
         """The ranks whose counters stand still over the window (None: the store cannot be reached)."""
@@ -542,6 +600,11 @@ class PeerWatch:
         finally:
             for signum, handler in held.items():
                 signal.signal(signum, handler)
+        return self._lost(stopped)
+
+    def _lost(self, stopped: list[int] | None) -> PeersLost | None:
+        """`PeersLost` naming the `stopped` ranks, or node 0 when the store is gone (None) and this
+        process is elsewhere; None when nothing was lost that another node could tell."""
         world, per_node = self.topology.world_size, self.local_world_size
         where = run_description(world, per_node)
         if stopped is None:

@@ -130,17 +130,21 @@ def train(
             raise EnvironmentFault(after_lost(lost, Path(checked.output.dir), resume_command)) from None
         raise typer.Exit(code)
     console = Console()
+
+    def report_lost(lost: PeersLost) -> None:
+        line = after_lost(lost, Path(loaded.output.dir), resume_command)
+        hand_over(lost, line)
+        if reports_lost(lost):
+            print_error(line, every_rank=True)
+
     try:
         loaded = load_recipe(recipe, overrides)
         run_training(loaded, console=console, resume=(checkpoint or "latest") if resume else None,
-                     resume_command=resume_command)
+                     resume_command=resume_command, on_peers_lost=report_lost)
     except PeersLost as lost:  # another process of the run stopped
-        line = after_lost(lost, Path(loaded.output.dir), resume_command)
-        hand_over(lost, line)
         if debug_enabled():
             raise
-        if reports_lost(lost):
-            print_error(line, every_rank=True)
+        report_lost(lost)
         raise typer.Exit(1) from None
     except RunInterrupted as stop:
         if is_main_process():

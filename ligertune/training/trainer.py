@@ -24,7 +24,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -34,6 +34,7 @@ from rich.console import Console
 from ligertune.devices import synchronize
 from ligertune.distributed import (
     PeerWatch,
+    PeersLost,
     Topology,
     all_reduce_max,
     barrier,
@@ -104,16 +105,19 @@ def train(
     resume: str | Path | None = None,
     resume_command: str | None = None,
     clock: Clock = time.perf_counter,
+    on_peers_lost: Callable[[PeersLost], None] | None = None,
 ) -> TrainResult:
     """Train the recipe's model on its data; write metrics, checkpoints and the final model to
     `output.dir`. `resume` ("latest" or a checkpoint path) continues an earlier run exactly. With
     several processes, one that stops during the run (killed, crashed, its node gone) ends the others
-    with `PeersLost` naming it; the last checkpoint stays complete."""
+    with `PeersLost` naming it; the last checkpoint stays complete. A process whose collective never
+    fails (NCCL waits for a lost peer without end) ends by itself instead, after `on_peers_lost` has
+    reported it (`PeerWatch`; by default the line is printed)."""
     console = console or Console(stderr=False)
     transformers.utils.logging.disable_progress_bar()  # the run has its own display
     try:
         # A collective that fails because another process stopped is `PeersLost`, naming it.
-        with PeerWatch(topology_from_environment()):
+        with PeerWatch(topology_from_environment(), on_lost=on_peers_lost or _print_lost):
             run = setup(recipe, console, resume=resume, clock=clock)
             if resume_command:
                 run.resume_command = resume_command
@@ -129,6 +133,10 @@ def train(
                 cleanup(run)
     finally:
         destroy_process_group()
+
+
+def _print_lost(lost: PeersLost) -> None:
+    print(f"error: {lost}", file=sys.stderr)
 
 
 # --------------------------------------------------------------------------------------------------

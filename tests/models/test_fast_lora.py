@@ -57,9 +57,10 @@ CASES = {
 # where the fast path sums in fp32 and rounds once, so the two differ by bf16 rounding (eps 7.8e-3)
 # carried through two layers. bf16 adapters: each layer's y rounds once on the fast path, after B's
 # product, the scaling and the sum on peft's; the one-ulp differences of every layer's output carry
-# through attention's backward, where a gradient can be ill-conditioned (k's rank-2 adapter of
-# `test_every_option_at_once` is 8% from a float32 computation on both paths), so a gradient may also
-# differ by NOISE times peft's own distance from the float32 computation.
+# through attention's backward, where a gradient can be ill-conditioned (the last layer's q and k
+# adapters of `test_every_option_at_once` land 3-50% from a float32 computation on either path,
+# batch by batch: that test pools 8 batches), so a gradient may also differ by NOISE times peft's own
+# distance from the float32 computation.
 TOL = {
     "fp32": {"logits": 1e-6, "grads": 1e-5},
     "bf16-fp32-adapters": {"logits": 1e-2, "grads": 3e-2},
@@ -296,11 +297,23 @@ def test_every_option_at_once(case):
     assert (report.modules, report.shared) == (7 * LAYERS, 2 * LAYERS)
     k = fast.get_base_model().model.layers[0].self_attn.k_proj
     assert k.r["default"] == 2 and k.lora_B["default"].bias is not None
-    ids, targets = token_batch()
-    reference = logits_loss_grads(model, ids, targets)
+    # The last layer's q and k gradients (through the attention scores) are ill-conditioned here: in
+    # bf16 one batch can put either path anywhere from 3% to 50% from float32, so each is pooled
+    # over batches (the fp32 case holds to 1e-5 on one batch alone).
+    batches = [token_batch(seed=seed) for seed in range(1, 2 if case == "fp32" else 9)]
+    reference = pooled(logits_loss_grads(model, *batch) for batch in batches)
     assert any(n.endswith("q_proj.base_layer.bias") for n in reference[2])  # base biases are trained
-    assert_same(logits_loss_grads(fast, ids, targets), reference, case,
-                oracle=float32_oracle(case, model, ids, targets))
+    oracle = None
+    if CASES[case][1] == torch.bfloat16:
+        oracle = pooled(float32_oracle(case, model, *batch) for batch in batches)
+    assert_same(pooled(logits_loss_grads(fast, *batch) for batch in batches), reference, case, oracle=oracle)
+
+
+def pooled(values) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """`logits_loss_grads` of several batches as one: each value of every batch, concatenated."""
+    logits, losses, grads = zip(*values)
+    return (torch.cat([v.flatten() for v in logits]), torch.stack(losses),
+            {name: torch.cat([g[name].flatten() for g in grads]) for name in grads[0]})
 
 
 def test_gradient_checkpointing_recomputes_the_shared_products():

@@ -48,10 +48,10 @@ def train_records(run_dir: Path) -> list[dict]:
 
 def assert_resume_continues_the_run(recipe: Path, run_dir: Path, *, processes: int, steps: int, save_at: int,
                                     loss_rtol: float, grad_norm_rtol: float, overrides: tuple[str, ...] = (),
-                                    timeout: float = 240) -> Path:
+                                    timeout: float = 240, resume_processes: int | None = None) -> Path:
     """Train `recipe` with `processes` processes for `steps` steps straight into `run_dir`, with a
-    checkpoint after step `save_at`; then train again from that checkpoint (`--resume`, the same
-    number of processes) to step `steps`.
+    checkpoint after step `save_at`; then train again from that checkpoint (`--resume`, with
+    `resume_processes` processes, by default as many) to step `steps`.
 
     The resumed run must say where it resumed, its metrics.jsonl must read as one run (steps
     1..`steps`, the straight run's records after `save_at` dropped), and each of its steps after
@@ -59,9 +59,9 @@ def assert_resume_continues_the_run(recipe: Path, run_dir: Path, *, processes: i
     (the schedule) exactly, and its loss and gradient norm within the relative tolerances (0: to the
     bit). Returns the folder the straight run's final model was moved to.
     """
-    args = ["train", str(recipe), "--nproc", str(processes), "-o", str(run_dir), "--max-steps", str(steps),
+    args = ["train", str(recipe), "-o", str(run_dir), "--max-steps", str(steps),
             "--set", f"train.save_every={save_at}", *(arg for item in overrides for arg in ("--set", item))]
-    result = ligertune(*args, timeout=timeout)
+    result = ligertune(*args, "--nproc", str(processes), timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     straight = train_records(run_dir)
     assert [r["step"] for r in straight] == list(range(1, steps + 1))
@@ -69,7 +69,8 @@ def assert_resume_continues_the_run(recipe: Path, run_dir: Path, *, processes: i
     shutil.move(run_dir / "final", straight_final)
 
     checkpoint = run_dir / "checkpoints" / f"step-{save_at:06d}"
-    result = ligertune(*args, "--resume", str(checkpoint), timeout=timeout)
+    result = ligertune(*args, "--nproc", str(resume_processes or processes), "--resume", str(checkpoint),
+                       timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     said = re.search(r"resumed from .*? at step (\d+) ", " ".join(result.stdout.split()))  # however it wrapped
     assert said and int(said.group(1)) == save_at, result.stdout[-3000:]

@@ -49,6 +49,7 @@ from ligertune.distributed import all_reduce_max, barrier, gather_objects, is_ma
 from ligertune.errors import EnvironmentFault, UserError
 from ligertune.files import fsync_dir, write_atomic_dir
 from ligertune.models.medusa import HEADS_FILE, load_heads, save_base_note, save_heads
+from ligertune.training.precision import MASTER
 from ligertune.training.run import Run, TrainingDiverged
 from ligertune.training.run_dir import CHECKPOINTS
 from ligertune.training.state import RunState, capture_rng, restore_rng
@@ -87,7 +88,7 @@ def save_checkpoint(run: Run) -> Path:
     back) and the trainer state. Returns the checkpoint's folder."""
     check_finite_weights(run)
     model_state, heads_state = gathered_states(run)
-    optimizer_state = get_optimizer_state_dict(run.head, run.optimizer)
+    optimizer_state = portable_optimizer_state(run)
     trainer_state = {
         TrainerState.FORMAT: FORMAT,
         TrainerState.WORLD_SIZE: run.topology.world_size,
@@ -191,11 +192,44 @@ def tied_names(model: nn.Module) -> set[str]:
 
 
 def load_optimizer_state(run: Run, folder: Path) -> None:
-    """The optimizer state of a checkpoint, resharded to this run's processes."""
-    state = {"optimizer": get_optimizer_state_dict(run.head, run.optimizer)}
+    """The optimizer state of a checkpoint, resharded to this run's processes. A float32 master the
+    checkpoint lacks (written by a run that kept none, or before FSDP's were saved) is made again from
+    the weights, as at the start of a run."""
+    state = {"optimizer": portable_optimizer_state(run)}
+    saved = set(dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+    for name, entry in state["optimizer"]["state"].items():
+        if MASTER in entry and f"optimizer.state.{name}.{MASTER}" not in saved:
+            del entry[MASTER]
     with one_process_is_intended():
         dcp.load(state, checkpoint_id=folder, no_dist=not run.topology.distributed)
+    if masters_are_parameters(run):  # loaded into the parameters themselves
+        for entry in state["optimizer"]["state"].values():
+            entry.pop(MASTER, None)
     set_optimizer_state_dict(run.head, run.optimizer, state["optimizer"])
+
+
+def portable_optimizer_state(run: Run) -> dict:
+    """The optimizer state as a checkpoint holds it, alike at every world size: with
+    `optim.master_weights`, the float32 master of each trainable parameter the forward computes in
+    16 bits under `master` (`training.precision`). One process keeps it in the optimizer state; FSDP's
+    mixed precision keeps it as the sharded float32 parameter itself (`training.build.fsdp_dtypes`),
+    which is put under that key here, so that a checkpoint of either resumes on the other with the
+    same float32 weights."""
+    state = get_optimizer_state_dict(run.head, run.optimizer)
+    if masters_are_parameters(run):
+        params = dict(run.head.named_parameters())
+        for name, entry in state["state"].items():
+            entry[MASTER] = params[name].detach()  # shares the parameter's storage: loads into it
+    return state
+
+
+def masters_are_parameters(run: Run) -> bool:
+    """Whether the run's trainable parameters are float32 masters of 16-bit computation under FSDP."""
+    from ligertune.training.build import fsdp_dtypes, strategy
+
+    sharded = run.topology.distributed and strategy(run.recipe) == "fsdp"
+    dtypes = fsdp_dtypes(run.recipe, run.device.type, sharded=sharded)
+    return run.recipe.optim.master_weights and dtypes.compute is not None
 
 
 def load_heads_weights(heads: nn.Module, checkpoint: Path) -> None:

@@ -57,15 +57,19 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+MASTER = "master"
+"""The optimizer state's key of a parameter's float32 master copy."""
+
+
 def wants_master(p: torch.Tensor, master_weights: bool) -> bool:
     return master_weights and p.dtype in LOW_PRECISION
 
 
 def master_of(p: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
     """The float32 master copy of `p` in its optimizer `state`, made from `p` on first use."""
-    if "master" not in state:
-        state["master"] = p.detach().to(MASTER_DTYPE, memory_format=torch.contiguous_format, copy=True)
-    return state["master"]
+    if MASTER not in state:
+        state[MASTER] = p.detach().to(MASTER_DTYPE, memory_format=torch.contiguous_format, copy=True)
+    return state[MASTER]
 
 
 def chunks(rows: Sequence[Any], numel_of_master: Any, budget: int = CHUNK_ELEMENTS) -> Iterator[list[Any]]:

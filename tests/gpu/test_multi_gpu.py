@@ -97,6 +97,21 @@ def test_a_checkpoint_of_two_gpus_resumes_the_run(tmp_path: Path):
                                     loss_rtol=loss_rtol, grad_norm_rtol=grad_rtol, timeout=TIMEOUT)
 
 
+@pytest.mark.parametrize("processes, resumed", [(2, 1), (1, 2)], ids=["2-to-1", "1-to-2"])
+def test_a_checkpoint_resumes_on_another_number_of_gpus(tmp_path: Path, processes: int, resumed: int):
+    """bf16 over float32 masters: FSDP2 keeps them as its sharded parameters, one process in the
+    optimizer state; a checkpoint of either continues on the other (the step's packs the same, the
+    accumulation set to match) with the loss and gradient norm of the straight run within bf16's
+    tolerances."""
+    path = write_recipe(tmp_path, model={"config": MODEL, "dtype": "bfloat16"},
+                        train={"micro_batch_size": 2, "grad_accum_steps": 2 // processes, "eval_every": None},
+                        optim={"warmup_steps": 2}, distributed={"strategy": "fsdp"})
+    loss_rtol, grad_rtol = TOLERANCES[torch.bfloat16]
+    assert_resume_continues_the_run(path, tmp_path / "run", processes=processes, resume_processes=resumed,
+                                    steps=4, save_at=2, loss_rtol=loss_rtol, grad_norm_rtol=grad_rtol,
+                                    timeout=TIMEOUT)
+
+
 def test_the_1b_bench_recipe_trains_sharded_over_two_gpus(tmp_path: Path):
     """What scripts/multi_gpu.py's scaling runs read: a record every step, each with a finite loss, the
     tokens per second of both processes, the MFU and rank 0's peak device memory."""

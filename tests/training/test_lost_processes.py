@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from cli_runs import free_port, ligertune, process_of_rank, start_ligertune, train_records
 from tiny_recipe import write_recipe
 
@@ -83,8 +84,11 @@ def test_a_process_killed_mid_run_is_one_line_and_one_process_resumes_the_run(tm
 def test_a_node_lost_mid_run_is_one_line_on_each_node_and_the_node_left_resumes_it(tmp_path: Path):
     path = recipe_of(tmp_path)
     endpoint = f"127.0.0.1:{free_port()}"
+    # On a machine with GPUs each "node" gets one of its own, as on two machines (NCCL refuses two
+    # ranks on one GPU).
+    gpus = [{"CUDA_VISIBLE_DEVICES": str(rank)} if torch.cuda.device_count() > 1 else None for rank in (0, 1)]
     nodes = [start_ligertune("train", str(path), "--nnodes", "2", "--node-rank", str(rank),
-                             "--rdzv-endpoint", endpoint, "--nproc", "1", "--rdzv-timeout", "120")
+                             "--rdzv-endpoint", endpoint, "--nproc", "1", "--rdzv-timeout", "120", env=gpus[rank])
              for rank in (0, 1)]
     left, lost = kill_rank_1_after_the_first_checkpoint(tmp_path / "run", nodes)
     where = re.escape(f"error: rendezvous {endpoint} (id ligertune), 2 nodes: lost rank 1 (node 1): ")

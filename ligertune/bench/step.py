@@ -38,6 +38,7 @@ matmul measured once on the device.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import importlib
 import statistics
@@ -237,11 +238,15 @@ class StepBench:
             release_memory(self.device)
 
     def _model(self, *, attention: str | None = None, kernels: bool = False, before_adapters=None):
-        """The recipe's model as `ligertune train` builds it (LoRA included), in training mode."""
+        """The recipe's model as `ligertune train` builds it (LoRA included), in training mode; a peer's
+        (`kernels=False`) with every matmul in `model.dtype` (`train.precision: fp8` is ligertune's)."""
         from ligertune.models import unwrap_model
         from ligertune.training.build import build_model
 
-        built = build_model(self.recipe, device=self.device, vocab_size=self.vocab_size, attention=attention,
+        recipe = self.recipe
+        if not kernels:
+            recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, precision="auto"))
+        built = build_model(recipe, device=self.device, vocab_size=self.vocab_size, attention=attention,
                             kernels=kernels, before_adapters=before_adapters)
         model = built.module
         model.train()

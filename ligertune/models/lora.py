@@ -193,7 +193,10 @@ def _fast_lora_forward(
     if lora_b.weight.dtype == result.dtype == u.dtype:
         # y = base(x) + s U_i B^T in one GEMM whose epilogue reads base(x) and writes y over it; autograd
         # keeps U_i and B, and passes dy through to base(x) unchanged.
-        out = result.addmm_(u, lora_b.weight.t(), alpha=scale)
+        if result._is_view():  # a custom Function's view (torchao's float8 matmul) takes no in-place op
+            out = torch.addmm(result, u, lora_b.weight.t(), alpha=scale)
+        else:
+            out = result.addmm_(u, lora_b.weight.t(), alpha=scale)
         if lora_b.bias is not None:  # lora_bias: s (U_i B^T + b)
             out = out.add_(lora_b.bias, alpha=scale)
     else:

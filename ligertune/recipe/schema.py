@@ -187,9 +187,9 @@ class KernelsConfig:
         "backward in the model dtype instead of a float32 copy per layer, and the adapters kept in "
         "the model dtype (bf16 over a bf16 model; peft upcasts them to float32) so that "
         "y = base(x) + s (x A^T) B^T is one GEMM adding into the base output, rounded once "
-        "(docs/kernels.md). Their updates stay exact through `optim.master_weights`. With "
-        "`lora.dropout` > 0 or `model.quantization` peft's own forward runs and the adapters stay "
-        "float32; `false`: peft's forward and float32 adapters throughout.",
+        "(docs/kernels.md). Their updates stay exact through `optim.master_weights`. Over a quantized "
+        "base (`model.quantization`) too. With `lora.dropout` > 0 peft's own forward runs and the "
+        "adapters stay float32; `false`: peft's forward and float32 adapters throughout.",
     )
 
     def check(self) -> list[tuple[str, str]]:
@@ -694,6 +694,16 @@ class TrainConfig:
         "auto` recompute fewer layers (CUDA); `true` always; `false` never."
     )
     device: Literal["auto", "cpu", "cuda"] = _field("auto", "`auto`: CUDA when available, else CPU.")
+    precision: Literal["auto", "fp8"] = _field(
+        "auto", "`auto`: every matmul in `model.dtype`. `fp8`: the decoder's linear layers multiply in "
+        "float8 with dynamic scales (torchao's float8 training: pip install 'ligertune[fp8]'), over "
+        "bf16 weights; an NVIDIA GPU of compute capability 8.9 or newer (H100-class), one process "
+        "(docs/fp8.md)."
+    )
+    fp8_scaling: Literal["tensorwise", "rowwise"] = _field(
+        "tensorwise", "With `precision: fp8`: one scale per tensor (`tensorwise`, the fastest) or per "
+        "row (`rowwise`)."
+    )
     log_every: int = _field(1, "Write a metrics record every N optimizer steps.")
     eval_every: int | None = _field(None, "Evaluate on the held-out data every N steps (and at the end).")
     eval_at_start: bool = _field(True, "Evaluate once before the first step, as a baseline.")
@@ -833,6 +843,16 @@ class Recipe:
                         else "trains every weight of the model")
                 problems.append(("lora", f"objective.backbone: {backbone} {what}, so LoRA adapters would "
                                  "not be used: remove the `lora` section, or set objective.backbone: lora"))
+        if self.train.precision == "fp8":
+            if self.model.quantization is not None:
+                problems.append(("train.precision", f"fp8 multiplies bf16 weights in float8; the base is "
+                                 f"quantized ({self.model.quantization}): drop one of the two"))
+            if self.train.device == "cpu":
+                problems.append(("train.precision", "fp8 needs an NVIDIA GPU of compute capability 8.9 or "
+                                 "newer (H100-class); train.device is cpu"))
+            if self.model.dtype not in ("auto", "bfloat16"):
+                problems.append(("train.precision", f"fp8 runs over bf16 weights; model.dtype is "
+                                 f"{self.model.dtype}: use bfloat16 (or auto)"))
         if self.model.quantization is not None and self.lora is None:
             problems.append(("model.quantization", f"a quantized base ({self.model.quantization}) is frozen: "
                              "train LoRA adapters over it (add a `lora` section, e.g. `--set lora.r=16`)"))

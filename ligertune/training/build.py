@@ -322,12 +322,18 @@ def build_model(
     model_cfg = recipe.model if attention is None else dataclasses.replace(recipe.model, attention=attention)
     if model_cfg.quantization is not None:
         check_quantized(recipe)
+    if recipe.train.precision == "fp8":
+        check_float8(device)
     dtype = dtype or resolve_dtype(model_cfg.dtype, device)
     model = models.build_model(model_cfg, device=device, dtype=dtype, seed=recipe.train.seed,
                                vocab_size=vocab_size)
     if model_cfg.quantization is not None:
         check_modules_to_save(model, recipe)
     patches = patch_kernels(model, recipe.kernels) if kernels else None
+    if recipe.train.precision == "fp8":
+        from ligertune.models.float8 import convert_to_float8
+
+        convert_to_float8(model, recipe.train.fp8_scaling)
     if recipe.train.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if before_adapters is not None:
@@ -426,6 +432,19 @@ def check_quantized(recipe: Recipe) -> None:
         raise UserError(f"model.quantization: a quantized base ({kind}) trains on one process; run "
                         "without --nproc/torchrun, or without quantization")
     require_bitsandbytes(kind)
+
+
+def check_float8(device: torch.device) -> None:
+    """Refuse `train.precision: fp8` where it cannot run: without float8 tensor cores, over several
+    processes (not yet tried with FSDP's sharded weights), or without torchao."""
+    from ligertune.distributed import topology_from_environment
+    from ligertune.models.float8 import check_float8_device, require_torchao
+
+    check_float8_device(device)
+    if topology_from_environment().distributed:
+        raise UserError("train.precision: fp8 trains on one process for now; run without --nproc/torchrun, "
+                        "or with precision: auto")
+    require_torchao()
 
 
 def check_modules_to_save(model: nn.Module, recipe: Recipe) -> None:

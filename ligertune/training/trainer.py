@@ -49,6 +49,7 @@ from ligertune.flops import device_peak_tflops
 from ligertune.kernels import active_path
 from ligertune.metrics import read_metrics
 from ligertune.models import decoder_of, load_tokenizer, unpatch_model
+from ligertune.models.float8 import float8_layers
 from ligertune.models.lora import unpatch_lora
 from ligertune.models.quantize import parameter_count
 from ligertune.objectives.reference import (
@@ -268,6 +269,9 @@ def describe_run(run: Run, dtype: torch.dtype, patches: str) -> None:
               f"({n_trainable / 1e6:.2f}M trainable), {dtype}, {run.device.type}", markup=True)
     out.print(f"kernels: {patches}; fused loss: {'on' if run.head.fused else 'off'} "
               f"({active_path(run.device)} path)")
+    if recipe.train.precision == "fp8":
+        out.print(f"fp8: {float8_layers(run.model)} linear layers multiply in float8 "
+                  f"({recipe.train.fp8_scaling} scales, torchao); the rest in {dtype}")
     out.print(
         f"data: {len(data.train_examples)} train / {len(data.eval_examples)} eval {recipe.objective.units}, "
         f"{len(data.train_packs)} packs of {recipe.data.max_seq_len} ({real / max(slots, 1):.1%} full), "

@@ -1,0 +1,66 @@
+"""FP8 training on a float8 GPU (compute capability 8.9+), driven as a user drives it: 200 steps of the
+same recipe in bf16 and in fp8 end within 1% of each other's loss (both curves are written beside the
+runs, and printed), and LoRA over a float8 base starts where bf16 LoRA starts.
+
+    TRITON_INTERPRET=0 python -m pytest -m gpu tests/gpu/test_gpu_fp8.py -q -s
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+from cli_runs import ligertune, train_records
+from tiny_recipe import TINY_MODEL, write_recipe
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
+                       reason="torchao is not installed (pip install 'ligertune[fp8]')"),
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                       reason="needs a GPU with float8 tensor cores (compute capability 8.9+)"),
+]
+
+# Wide enough that the float8 GEMMs are the tensor cores' and the scales see real ranges.
+MODEL = {**TINY_MODEL, "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4,
+         "num_attention_heads": 8, "num_key_value_heads": 2}
+STEPS = 200
+
+
+def losses(tmp_path: Path, name: str, recipe: Path, *overrides: str) -> list[float]:
+    result = ligertune("train", str(recipe), "-o", str(tmp_path / name),
+                       *(arg for item in overrides for arg in ("--set", item)), timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return [r["loss"] for r in train_records(tmp_path / name)]
+
+
+def test_200_fp8_steps_end_within_1_percent_of_bf16(tmp_path: Path):
+    recipe = write_recipe(tmp_path, n_train=400, model={"config": MODEL, "dtype": "bfloat16"},
+                          optim={"lr": 1e-3, "warmup_steps": 10},
+                          train={"max_steps": STEPS, "micro_batch_size": 4, "grad_accum_steps": 1,
+                                 "eval_every": None})
+    curves = {"bf16": losses(tmp_path, "bf16", recipe),
+              "fp8 tensorwise": losses(tmp_path, "fp8", recipe, "train.precision=fp8"),
+              "fp8 rowwise": losses(tmp_path, "fp8-rowwise", recipe, "train.precision=fp8",
+                                    "train.fp8_scaling=rowwise")}
+    (tmp_path / "curves.json").write_text(json.dumps(curves))
+    assert all(len(curve) == STEPS for curve in curves.values())
+    end = {name: statistics.mean(curve[-20:]) for name, curve in curves.items()}  # the last 20 steps
+    print("\nmean loss of steps 181-200:", {k: round(v, 4) for k, v in end.items()},
+          "step 1:", {k: round(v[0], 4) for k, v in curves.items()})
+    assert curves["bf16"][-1] < 0.5 * curves["bf16"][0]  # it learned
+    for name in ("fp8 tensorwise", "fp8 rowwise"):
+        assert abs(end[name] - end["bf16"]) <= 0.01 * end["bf16"], (name, end)
+
+
+def test_lora_over_a_float8_base_starts_as_bf16_lora(tmp_path: Path):
+    recipe = write_recipe(tmp_path, model={"config": MODEL, "dtype": "bfloat16"}, lora={"r": 16, "alpha": 32},
+                          train={"max_steps": 3, "micro_batch_size": 4, "grad_accum_steps": 1, "eval_every": None})
+    bf16 = losses(tmp_path, "bf16", recipe)
+    fp8 = losses(tmp_path, "fp8", recipe, "train.precision=fp8")
+    assert fp8[0] == pytest.approx(bf16[0], rel=1e-2)  # B = 0: the base model's loss, through float8
+    assert fp8[-1] < fp8[0]

@@ -63,15 +63,23 @@ def check_float8_device(device: torch.device) -> None:
                         f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}")
 
 
-def convert_to_float8(model: nn.Module, scaling: str = "tensorwise", *, emulate: bool = False) -> int:
+def convert_to_float8(model: nn.Module, scaling: str = "tensorwise", *, emulate: bool = False,
+                      compiled: bool = False) -> int:
     """Replace the decoder's linear layers of `model` (every `nn.Linear` but the output projection,
     whose sides are multiples of 16 as float8 GEMMs need) by torchao's `Float8Linear`, in place;
-    return how many. `emulate`: torchao's emulation (float8 rounding, high-precision matmuls), which
-    runs anywhere: the tests' CPU path, not a speed."""
+    return how many. A GEMM whose inner side is the token count (the weight's gradient) pads it to
+    a multiple of 16: packed rows hold any number of tokens.
+
+    `compiled`: each layer's forward and backward through `torch.compile`, which fuses each cast
+    (absolute maximum, scale, round) into a kernel or two; run eagerly, a cast is several passes over
+    its tensor and a float8 step was measured slower than bf16 (docs/PERF.md). `emulate`: torchao's
+    emulation (float8 rounding, high-precision matmuls), which runs anywhere: the tests' CPU path,
+    not a speed."""
     if scaling not in SCALINGS:
         raise UserError(f"train.fp8_scaling: must be one of {', '.join(SCALINGS)}, got {scaling!r}")
     float8 = require_torchao()
-    config = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(scaling), emulate=emulate)
+    config = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(scaling), emulate=emulate,
+                                 pad_inner_dim=True)
     head = model.get_output_embeddings()
     converted = []
 
@@ -83,6 +91,9 @@ def convert_to_float8(model: nn.Module, scaling: str = "tensorwise", *, emulate:
         return take
 
     float8.convert_to_float8_training(model, module_filter_fn=chosen, config=config)
+    if compiled:
+        for name in converted:
+            model.get_submodule(name).compile(dynamic=True)
     return len(converted)
 
 

@@ -333,7 +333,7 @@ def build_model(
     if recipe.train.precision == "fp8":
         from ligertune.models.float8 import convert_to_float8
 
-        convert_to_float8(model, recipe.train.fp8_scaling)
+        convert_to_float8(model, recipe.train.fp8_scaling, compiled=True)
     if recipe.train.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if before_adapters is not None:

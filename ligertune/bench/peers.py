@@ -65,6 +65,6 @@ def versions() -> dict[str, str | None]:
     """Versions of ligertune, its stack and the peers, as reported in every bench result."""
     import ligertune
 
-    names = ("torch", "triton", "transformers", "bitsandbytes", *(d for d, _ in PEERS.values()))
+    names = ("torch", "triton", "transformers", "bitsandbytes", "torchao", *(d for d, _ in PEERS.values()))
     # ligertune's own version from the package: a source checkout need not be installed.
     return {"ligertune": ligertune.__version__, **{name: package_version(name) for name in names}}

@@ -530,23 +530,30 @@ class PeerWatch:
 
         keys = [_heartbeat_key(rank) for rank in range(self.topology.world_size)]
         changed: dict[int, tuple[int, float]] = {}  # rank -> (counter, when it last moved)
+        unanswered_since = None  # when the store stopped answering
         while not self._stop.wait(self.interval_s):
             if not dist.is_initialized():
                 continue
+            now = time.monotonic()
             try:
                 store = _store()
                 store.add(keys[self.topology.rank], 1)
+                unanswered_since = None
                 if self.on_lost is None or not store.check(keys):
                     continue
-                now = time.monotonic()
                 for rank, value in enumerate(store.multi_get(keys)):
                     value = int(value)
                     if changed.get(rank, (None,))[0] != value:
                         changed[rank] = (value, now)
                 stopped = [rank for rank, (value, moved) in changed.items()
                            if value < _FINISHED and now - moved > self.stuck_s]
-            except (RuntimeError, OSError):  # the store is gone (torch's `DistError`s)
-                stopped = None
+            except (RuntimeError, OSError):  # the store does not answer (torch's `DistError`s)
+                if self.on_lost is None:
+                    return  # `_diagnose` says so if a collective fails
+                unanswered_since = unanswered_since or now
+                if now - unanswered_since <= self.stuck_s:
+                    continue
+                stopped = None  # gone
             if stopped is None or stopped:
                 self._end(stopped)
                 return

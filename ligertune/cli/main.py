@@ -10,11 +10,13 @@ from __future__ import annotations
 import sys
 
 from ligertune.cli.interrupts import INTERRUPTS, report_interrupted, stop_on_signals
+from ligertune.quiet import quiet_optional_libraries
 
 
 def main() -> None:
     """Console-script entry point."""
     stop_on_signals()
+    quiet_optional_libraries()
     try:
         from ligertune.cli.app import app
 

@@ -20,28 +20,24 @@ PyTorch's own training stack (torchtitan) uses for float8, kept in step with tor
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any
 
 import torch
 from torch import nn
 
 from ligertune.errors import UserError
+from ligertune.quiet import quiet_optional_libraries
 
 EXTRA = "fp8"
 """The optional dependency group that brings torchao."""
 SCALINGS = ("tensorwise", "rowwise")
 MIN_CAPABILITY = (8, 9)
 """Float8 tensor cores: Ada (8.9) and Hopper (9.0) and later."""
-# torchao logs a warning for each optional C++ extension built for another torch (float8 training
-# needs none of them), and torch one about an enum torchao registers.
-_NOISY_LOGGERS = ("torchao", "torch.utils._pytree")
 
 
 def require_torchao() -> Any:
     """The `torchao.float8` module; a `UserError` naming the extra when torchao is missing."""
-    for name in _NOISY_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
+    quiet_optional_libraries()
     try:
         import torchao.float8
     except ImportError:

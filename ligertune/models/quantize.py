@@ -26,13 +26,13 @@ config, with random weights, is built in `model.dtype` and its layers are replac
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 from torch import nn
 
 from ligertune.errors import UserError
+from ligertune.quiet import quiet_optional_libraries
 
 QUANTIZATIONS = ("nf4", "int8")
 """The values of `model.quantization`."""
@@ -40,15 +40,9 @@ INT8_THRESHOLD = 6.0
 """LLM.int8()'s outlier threshold: activation columns with a magnitude above it multiply in float16."""
 EXTRA = "qlora"
 """The optional dependency group (`pip install 'ligertune[qlora]'`) that brings bitsandbytes."""
-# bitsandbytes warns through these loggers about what is no fault of the run: int8 layers cast their
-# float32/bf16 inputs to float16 (logged on every call), and a CPU with avx512-bf16 lacks an optional
-# kernel from the hub (logged at import).
-_NOISY_LOGGERS = ("bitsandbytes.autograd._functions", "bitsandbytes.backends.cpu.ops")
-
-
 def require_bitsandbytes(kind: str) -> Any:
     """The `bitsandbytes` module; a `UserError` naming the extra to install when it is missing."""
-    quiet_bitsandbytes()
+    quiet_optional_libraries()
     try:
         import bitsandbytes
     except ImportError:
@@ -57,14 +51,6 @@ def require_bitsandbytes(kind: str) -> Any:
             f"pip install 'ligertune[{EXTRA}]'"
         ) from None
     return bitsandbytes
-
-
-def quiet_bitsandbytes() -> None:
-    """Silence bitsandbytes' warnings that are no fault of the run (see `_NOISY_LOGGERS`); its errors
-    still show. Takes effect for the import-time warning only when called before bitsandbytes is
-    first imported (peft imports it whenever it is installed)."""
-    for name in _NOISY_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def bnb_config(kind: str, dtype: torch.dtype):

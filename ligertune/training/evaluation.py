@@ -16,8 +16,13 @@ def evaluate(run: Run) -> dict[str, float]:
     """The objective's held-out metrics (`eval_loss` first), normalized like training over the whole
     held-out set, every rank's share together."""
     run.engine.eval()
-    size = run.recipe.train.micro_batch_size
     packs = eval_share(run.data.eval_packs, run.topology)
+    size = run.recipe.train.micro_batch_size
+    if any(getattr(p, "reference_logps", None) is not None for p in packs):
+        # One pack per forward, as the reference pass scored them: before the first step the policy's
+        # log-probabilities are then the reference's to the bit (every margin 0, no pair won), where a
+        # forward over several padded packs would round them apart.
+        size = 1
     batches = [make_batch(run, packs[i : i + size]) for i in range(0, len(packs), size)]
     totals = forward_backward(run, batches, backward=False)
     run.engine.train()

@@ -28,6 +28,7 @@ from ligertune.objectives.reference import REFERENCE_FILE
 from ligertune.training import RunInterrupted, cleanup
 from ligertune.training.checkpoint import latest_checkpoint
 from ligertune.training.display import format_metrics
+from ligertune.training.evaluation import evaluate
 from ligertune.training.step import forward_backward, make_batch
 
 
@@ -116,6 +117,22 @@ def test_dpo_starts_at_log_2_and_learns_the_pairs(tmp_path: Path):
     assert after["reward_chosen"] > after["reward_rejected"]
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert any("eval_reward_accuracy" in r for r in records)  # the last step evaluates the held-out pairs
+
+
+@pytest.mark.parametrize("loss", ["dpo", "ipo"])
+def test_held_out_pairs_at_step_0_have_no_margin_and_no_winner(tmp_path: Path, loss: str):
+    """Before the first step the policy is the reference: every held-out margin is exactly 0, so no
+    pair is won, however many packs a training forward takes (the held-out packs are scored one by
+    one, as the reference pass scored them)."""
+    path = write_preference_recipe(tmp_path, n_eval=64, objective={"name": loss},
+                                   train={"micro_batch_size": 8, "grad_accum_steps": 1})
+    run = start(path)
+    try:
+        assert len(run.data.eval_packs) > 1
+        metrics = evaluate(run)
+        assert metrics["eval_reward_margin"] == 0.0 and metrics["eval_reward_accuracy"] == 0.0, metrics
+    finally:
+        cleanup(run)
 
 
 def step_grads(path: Path, micro: int, accum: int) -> tuple[dict[str, float], list[torch.Tensor]]:

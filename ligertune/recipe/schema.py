@@ -187,9 +187,9 @@ class KernelsConfig:
         "backward in the model dtype instead of a float32 copy per layer, and the adapters kept in "
         "the model dtype (bf16 over a bf16 model; peft upcasts them to float32) so that "
         "y = base(x) + s (x A^T) B^T is one GEMM adding into the base output, rounded once "
-        "(docs/kernels.md). Their updates stay exact through `optim.master_weights`. Over a quantized "
-        "base (`model.quantization`) too. With `lora.dropout` > 0 peft's own forward runs and the "
-        "adapters stay float32; `false`: peft's forward and float32 adapters throughout.",
+        "(docs/kernels.md). Their updates stay exact through `optim.master_weights`. The same over a "
+        "quantized base (`model.quantization`, QLoRA). With `lora.dropout` > 0 peft's own forward runs "
+        "and the adapters stay float32; `false`: peft's forward and float32 adapters throughout.",
     )
 
     def check(self) -> list[tuple[str, str]]:
@@ -697,8 +697,8 @@ class TrainConfig:
     precision: Literal["auto", "fp8"] = _field(
         "auto", "`auto`: every matmul in `model.dtype`. `fp8`: the decoder's linear layers multiply in "
         "float8 with dynamic scales (torchao's float8 training: pip install 'ligertune[fp8]'), over "
-        "bf16 weights; an NVIDIA GPU of compute capability 8.9 or newer (H100-class), one process "
-        "(docs/fp8.md)."
+        "bf16 weights; an NVIDIA GPU of compute capability 8.9 or newer (H100-class), one process. "
+        "Measured faster for large LoRA runs, slower for a 1B full fine-tune (docs/fp8.md)."
     )
     fp8_scaling: Literal["tensorwise", "rowwise"] = _field(
         "tensorwise", "With `precision: fp8`: one scale per tensor (`tensorwise`, the fastest) or per "

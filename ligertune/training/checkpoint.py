@@ -219,7 +219,8 @@ def portable_optimizer_state(run: Run) -> dict:
     if masters_are_parameters(run):
         params = dict(run.head.named_parameters())
         for name, entry in state["state"].items():
-            entry[MASTER] = params[name].detach()  # shares the parameter's storage: loads into it
+            if name in params:  # shares the parameter's storage: a load writes into the parameter
+                entry[MASTER] = params[name].detach()
     return state
 
 

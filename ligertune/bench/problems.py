@@ -232,11 +232,19 @@ class GemmFloor:
         self.buffers = {}
 
 
-def divergence_problem(dims: dict[str, int], device: torch.device, dtype: torch.dtype, seed: int) -> Problem:
+def kl_problem(dims: dict[str, int], device: torch.device, dtype: torch.dtype, seed: int) -> Problem:
+    """`divergence_problem` with distillation's default divergence, the forward KL(P || Q) of the
+    teacher's distribution P from the student's Q, which Liger's `LigerFusedLinearJSD` computes at
+    jsd_beta 0."""
+    return divergence_problem(dims, device, dtype, seed, divergence="forward_kl")
+
+
+def divergence_problem(dims: dict[str, int], device: torch.device, dtype: torch.dtype, seed: int, *,
+                       divergence: str = "jsd") -> Problem:
     """Distillation's fused loss at the fused cross-entropy's shapes: the student's and a teacher's
     hidden states [N, H] and output layers [V, H] drawn as `flce_problem` draws them, 10% of the
-    targets ignored, and the generalised JSD with beta `JSD_BETA` at temperature 1, averaged over
-    the supervised rows.
+    targets ignored, and the generalised JSD with beta `JSD_BETA` (or, with `divergence`
+    "forward_kl", the forward KL) at temperature 1, averaged over the supervised rows.
 
     That is the quantity of Liger-Kernel's `LigerFusedLinearJSD(jsd_beta, temperature)` given the
     targets as its `shift_labels`: its kernel computes beta KL(P || M) + (1 - beta) KL(Q || M) with
@@ -261,9 +269,11 @@ def divergence_problem(dims: dict[str, int], device: torch.device, dtype: torch.
     from ligertune.kernels import DivergenceOptions, reference
 
     path = kernels.active_path(device)
-    jsd = dict(divergence="jsd", beta=JSD_BETA, temperature=1.0, reduction="mean")
-    options = DivergenceOptions(**jsd)
-    low_memory = DivergenceOptions(**jsd, chunk_bytes=LOW_MEMORY_CHUNK_BYTES)
+    kl = divergence == "forward_kl"
+    liger_beta = 0.0 if kl else JSD_BETA  # Liger's forward KL is its JSD at beta 0
+    chosen = dict(divergence=divergence, beta=JSD_BETA, temperature=1.0, reduction="mean")
+    options = DivergenceOptions(**chosen)
+    low_memory = DivergenceOptions(**chosen, chunk_bytes=LOW_MEMORY_CHUNK_BYTES)
 
     def call(impl, x, opts=options):
         return (impl(x["hidden"], x["weight"], x["teacher_hidden"], x["teacher_weight"], x["targets"],
@@ -272,11 +282,12 @@ def divergence_problem(dims: dict[str, int], device: torch.device, dtype: torch.
     def liger(x):
         from liger_kernel.transformers import LigerFusedLinearJSD
 
-        loss = LigerFusedLinearJSD(jsd_beta=JSD_BETA, temperature=1.0)
+        loss = LigerFusedLinearJSD(jsd_beta=liger_beta, temperature=1.0)
         return (loss(x["hidden"], x["weight"], x["teacher_hidden"], x["teacher_weight"], x["targets"]),)
 
     def eager(x):
-        return (_eager_jsd(x["hidden"], x["weight"], x["teacher_hidden"], x["teacher_weight"], x["targets"]),)
+        loss = _eager_kl if kl else _eager_jsd
+        return (loss(x["hidden"], x["weight"], x["teacher_hidden"], x["teacher_weight"], x["targets"]),)
 
     impls = [
         Impl(f"{LIGERTUNE} ({path})", lambda x: call(kernels.fused_linear_divergence, x)),
@@ -288,7 +299,7 @@ def divergence_problem(dims: dict[str, int], device: torch.device, dtype: torch.
         Impl(DIVERGENCE_FLOOR, GemmFloor(n, h, v, device, dtype, gen, teacher=True), manual=True),
     ]
     return Problem(
-        "divergence", dims, inputs, None, ("loss", "grad_hidden", "grad_weight"),
+        "kl" if kl else "divergence", dims, inputs, None, ("loss", "grad_hidden", "grad_weight"),
         lambda x, _: call(reference.fused_linear_divergence, x), impls, flops=8.0 * n * h * v,
     )
 
@@ -305,6 +316,16 @@ def _eager_jsd(hidden, weight, teacher_hidden, teacher_weight, targets, beta: fl
     kl_q = F.kl_div(log_m, log_q, reduction="none", log_target=True).sum(dim=-1)
     supervised = targets != -100
     return ((beta * kl_p + (1.0 - beta) * kl_q) * supervised).sum() / supervised.sum().clamp(min=1)
+
+
+def _eager_kl(hidden, weight, teacher_hidden, teacher_weight, targets) -> torch.Tensor:
+    """The forward KL(P || Q) as a plain PyTorch distillation loss computes it: both logits in the
+    input dtype, upcast, log-softmax, `kl_div`, averaged over the supervised rows."""
+    log_q = torch.log_softmax((hidden @ weight.t()).float(), dim=-1)
+    log_p = torch.log_softmax((teacher_hidden @ teacher_weight.t()).float(), dim=-1)
+    kl = F.kl_div(log_q, log_p, reduction="none", log_target=True).sum(dim=-1)
+    supervised = targets != -100
+    return (kl * supervised).sum() / supervised.sum().clamp(min=1)
 
 
 def rms_norm_problem(dims: dict[str, int], device: torch.device, dtype: torch.dtype, seed: int) -> Problem:
@@ -630,7 +651,7 @@ def _lion_errors(row: LionRow, device: torch.device, dtype: torch.dtype, seed: i
 
 
 PROBLEMS = {
-    "flce": flce_problem, "divergence": divergence_problem, "rms_norm": rms_norm_problem,
+    "flce": flce_problem, "divergence": divergence_problem, "kl": kl_problem, "rms_norm": rms_norm_problem,
     "rope": rope_problem, "swiglu": swiglu_problem,
     "lion": lion_problem,
 }

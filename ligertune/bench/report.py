@@ -15,6 +15,7 @@ from ligertune.errors import UserError
 KERNEL_TITLES = {
     "flce": "fused linear cross-entropy, forward + backward",
     "divergence": "fused linear divergence (JSD, beta 0.5, against a teacher), forward + backward",
+    "kl": "fused linear divergence (forward KL, against a teacher), forward + backward",
     "rms_norm": "RMSNorm, forward + backward",
     "rope": "rotary embedding (q and k), forward + backward",
     "swiglu": "SwiGLU, forward + backward",

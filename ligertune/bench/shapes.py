@@ -7,19 +7,20 @@ import re
 
 from ligertune.errors import UserError
 
-KERNELS = ("flce", "divergence", "rms_norm", "rope", "swiglu", "lion")
+KERNELS = ("flce", "divergence", "kl", "rms_norm", "rope", "swiglu", "lion")
 
-DEFAULT_KERNELS = ("flce", "divergence", "rms_norm", "rope", "swiglu")
+DEFAULT_KERNELS = ("flce", "divergence", "kl", "rms_norm", "rope", "swiglu")
 """What `bench kernels` runs unless told: the Lion step is asked for by name (`-k lion`), since its
 8B problem alone takes 60 GiB."""
 
-FLOP_RATED = ("flce", "divergence")
+FLOP_RATED = ("flce", "divergence", "kl")
 """The kernels rated in TFLOP/s (their work is GEMMs); the others move memory and are rated in GB/s."""
 
 SHAPE_DIMS = {
     "flce": ("N", "H", "V"),
     # The student's and the teacher's tokens, hidden size (the same for both) and vocabulary.
     "divergence": ("N", "H", "V"),
+    "kl": ("N", "H", "V"),
     "rms_norm": ("T", "H"),
     "rope": ("B", "L", "Hq", "Hk", "D"),
     "swiglu": ("T", "I"),
@@ -34,6 +35,7 @@ GPU_SHAPES = {
     "flce": [(8192, 4096, 128256), (16384, 2048, 128256), (4096, 3584, 152064)],
     # The fused loss's shapes, for the student and for the teacher.
     "divergence": [(8192, 4096, 128256), (16384, 2048, 128256), (4096, 3584, 152064)],
+    "kl": [(8192, 4096, 128256), (16384, 2048, 128256), (4096, 3584, 152064)],
     # 4 x 4096 tokens of a Llama-3-8B layer.
     "rms_norm": [(16384, 4096)],
     "rope": [(4, 4096, 32, 8, 128)],
@@ -46,6 +48,7 @@ CPU_SHAPES = {
     # Odd sizes on purpose: no implementation may lean on powers of two.
     "flce": [(257, 192, 4099)],
     "divergence": [(257, 192, 4099)],
+    "kl": [(257, 192, 4099)],
     "rms_norm": [(1031, 768)],
     "rope": [(2, 255, 8, 2, 64)],
     "swiglu": [(1031, 1376)],

@@ -36,15 +36,16 @@ def _bench(ctx: typer.Context) -> None:
 @guarded
 def kernels(
     kernels_: Annotated[
-        str, typer.Option("--kernels", "-k", help="Comma-separated: flce, divergence (distillation's fused "
-                          "loss), rms_norm, rope, swiglu, and lion (the optimizer step; only when named).")
-    ] = "flce,divergence,rms_norm,rope,swiglu",
+        str, typer.Option("--kernels", "-k", help="Comma-separated: flce, divergence and kl (distillation's "
+                          "fused loss: JSD, forward KL), rms_norm, rope, swiglu, and lion (the optimizer "
+                          "step; only when named).")
+    ] = "flce,divergence,kl,rms_norm,rope,swiglu",
     shapes: Annotated[
         Optional[list[str]],
         typer.Option(
             "--shapes",
             help="KERNEL:AxBx... replacing that kernel's default shapes (repeatable): flce:NxHxV, "
-            "divergence:NxHxV (student and teacher alike), rms_norm:TxH, swiglu:TxI, rope:BxLxHqxHkxD, "
+            "divergence:NxHxV and kl:NxHxV (student and teacher alike), rms_norm:TxH, swiglu:TxI, rope:BxLxHqxHkxD, "
             "lion:LxHxIxVxE (a Llama-style model's parameters: layers, hidden, MLP, vocabulary, 1 tied "
             "or 2 untied embeddings).",
             metavar="KERNEL:SHAPE",
@@ -101,12 +102,12 @@ def kernels(
         roofline_line,
         write_json,
     )
-    from ligertune.bench.shapes import parse_shape
+    from ligertune.bench.shapes import KERNELS, parse_shape
     from ligertune.errors import UserError
 
     names = tuple(k.strip().replace("-", "_") for k in kernels_.split(",") if k.strip())
     if not names:
-        raise UserError("--kernels: name at least one of flce, divergence, rms_norm, rope, swiglu, lion")
+        raise UserError(f"--kernels: name at least one of {', '.join(KERNELS)}")
     parsed: dict[str, list[tuple[int, ...]]] = {}
     for text in shapes or []:
         kernel, values = parse_shape(text)

@@ -18,9 +18,9 @@ from ligertune.bench.shapes import FLOP_RATED, parse_shape
 from ligertune.cli.bench import app
 from ligertune.errors import UserError
 
-TINY = ["--shapes", "flce:37x24x301", "--shapes", "divergence:37x24x301", "--shapes", "rms_norm:19x40",
-        "--shapes", "rope:2x9x4x2x8", "--shapes", "swiglu:19x33"]
-KERNELS = ("flce", "divergence", "rms_norm", "rope", "swiglu")
+TINY = ["--shapes", "flce:37x24x301", "--shapes", "divergence:37x24x301", "--shapes", "kl:37x24x301",
+        "--shapes", "rms_norm:19x40", "--shapes", "rope:2x9x4x2x8", "--shapes", "swiglu:19x33"]
+KERNELS = ("flce", "divergence", "kl", "rms_norm", "rope", "swiglu")
 ROW_KEYS = {"kernel", "shape", "dims", "impl", "status", "detail", "median_ms", "min_ms", "max_ms", "repeats",
             "extra_peak_mib", "tflops", "gbps", "of_peak_bandwidth", "of_copy_bandwidth", "vs_ligertune", "errors"}
 REPORT_KEYS = {"device", "device_type", "kernel_path", "dtype", "reference_dtype", "repeats", "warmup",
@@ -63,16 +63,16 @@ def test_json_holds_every_number_with_its_context(report):
     assert all(set(row) == ROW_KEYS for row in data["rows"])
     assert {row["kernel"] for row in data["rows"]} == set(KERNELS)
     shapes = {(row["kernel"], row["shape"]) for row in data["rows"]}
-    assert shapes == {("flce", "N37-H24-V301"), ("divergence", "N37-H24-V301"), ("rms_norm", "T19-H40"),
-                      ("rope", "B2-L9-Hq4-Hk2-D8"), ("swiglu", "T19-I33")}
+    assert shapes == {("flce", "N37-H24-V301"), ("divergence", "N37-H24-V301"), ("kl", "N37-H24-V301"),
+                      ("rms_norm", "T19-H40"), ("rope", "B2-L9-Hq4-Hk2-D8"), ("swiglu", "T19-I33")}
 
 
 def test_measured_rows_carry_time_rate_speedup_and_small_errors(report):
     _, data = report
     measured = [row for row in data["rows"] if row["status"] == "ok"]
-    # ligertune (3 rows for the loss, 2 for the divergence, 1 for each other kernel), eager for
-    # each, and the two GEMM floors.
-    assert len(measured) == 3 + 2 + 3 + 5 + 2
+    # ligertune (3 rows for the loss, 2 for each divergence, 1 for each other kernel), eager for
+    # each, and the three GEMM floors.
+    assert len(measured) == 3 + 2 + 2 + 3 + 6 + 3
     for row in measured:
         assert row["median_ms"] > 0 and row["repeats"] == 2
         assert (row["tflops"] if row["kernel"] in FLOP_RATED else row["gbps"]) > 0
@@ -86,7 +86,7 @@ def test_measured_rows_carry_time_rate_speedup_and_small_errors(report):
         errors = next(r["errors"] for r in measured if (r["kernel"], r["impl"]) == ours)
         assert set(errors) == {"loss", "grad_hidden", "grad_weight"}
     floors = {r["kernel"]: r["impl"] for r in measured if "floor" in r["impl"]}
-    assert floors == {"flce": "3 GEMMs (floor)", "divergence": "4 GEMMs (floor)"}
+    assert floors == {"flce": "3 GEMMs (floor)", "divergence": "4 GEMMs (floor)", "kl": "4 GEMMs (floor)"}
     rope_errors = next(r["errors"] for r in measured if r["kernel"] == "rope")
     assert set(rope_errors) == {"q", "k", "grad_q", "grad_k"}
 

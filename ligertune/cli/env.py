@@ -11,8 +11,8 @@ from rich.table import Table
 
 from ligertune.cli.options import JsonOpt
 
-PACKAGES = ("ligertune", "torch", "triton", "transformers", "peft", "tokenizers", "bitsandbytes", "liger-kernel",
-            "cut-cross-entropy")
+PACKAGES = ("ligertune", "torch", "triton", "transformers", "peft", "tokenizers", "bitsandbytes", "torchao",
+            "liger-kernel", "cut-cross-entropy")
 
 
 def environment() -> dict[str, str]:

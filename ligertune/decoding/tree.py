@@ -16,6 +16,7 @@ is the root, the last token before the tree, whose own logits judge the depth-1 
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -59,13 +60,7 @@ class DraftTree:
 
     def ancestors(self) -> torch.Tensor:
         """[N, N] bool: row i is True at i and at each ancestor of i (what node i may attend to)."""
-        n = len(self)
-        seen = torch.zeros(n, n, dtype=torch.bool)
-        for i, parent in enumerate(self.parents):
-            if parent >= 0:
-                seen[i] = seen[parent]
-            seen[i, i] = True
-        return seen
+        return _ancestors(self.parents).clone()
 
     def pruned(self, max_depth: int) -> DraftTree:
         """The nodes of depth at most `max_depth` (a shallower tree when few tokens are left to write)."""
@@ -104,6 +99,20 @@ class DraftTree:
 EMPTY = DraftTree()
 
 
+@functools.lru_cache(maxsize=64)
+def _ancestors(parents: tuple[int, ...]) -> torch.Tensor:
+    """`DraftTree.ancestors` of a tree shape, made once per shape: a drafter proposes trees of one
+    shape step after step (Medusa's choices), and the row-by-row build is the costliest part of a
+    step's mask on a CPU."""
+    n = len(parents)
+    seen = torch.zeros(n, n, dtype=torch.bool)
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            seen[i] = seen[parent]
+        seen[i, i] = True
+    return seen
+
+
 # --------------------------------------------------------------------------------------------------
 # Medusa: a sparse tree over the heads' top-k choices
 
@@ -117,20 +126,30 @@ def medusa_tree(head_topk: Sequence[Sequence[int]], choices: Sequence[Sequence[i
     of its paths (`sparse_tree_choices` returns such a set). Two ranks of one head at the same
     depth are distinct tokens, so siblings stay distinct.
     """
-    paths = sorted({tuple(c) for c in choices}, key=lambda c: (len(c), c))
+    paths, parents, depths = _medusa_shape(tuple(tuple(c) for c in choices), tuple(len(top) for top in head_topk))
+    tokens = tuple(int(head_topk[len(path) - 1][path[-1]]) for path in paths)
+    return DraftTree(tokens, parents, depths)
+
+
+@functools.lru_cache(maxsize=64)
+def _medusa_shape(choices: tuple[tuple[int, ...], ...], candidates: tuple[int, ...]
+                  ) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...], tuple[int, ...]]:
+    """The nodes of `medusa_tree` for heads with `candidates[k]` tokens each: every node's rank
+    path, parent and depth, made once per set of choices (they do not change from step to step)."""
+    paths = sorted(set(choices), key=lambda c: (len(c), c))
     node_of: dict[tuple[int, ...], int] = {}
-    tokens, parents, depths = [], [], []
+    kept, parents, depths = [], [], []
     for path in paths:
-        if len(path) > len(head_topk) or any(r >= len(head_topk[d]) for d, r in enumerate(path)):
+        if len(path) > len(candidates) or any(r >= candidates[d] for d, r in enumerate(path)):
             continue  # fewer heads, or fewer candidates per head, than the choices were made for
         parent = node_of.get(path[:-1], -1) if len(path) > 1 else -1
         if len(path) > 1 and path[:-1] not in node_of:
             raise ValueError(f"Medusa choice {list(path)}: its prefix {list(path[:-1])} is not a choice")
-        node_of[path] = len(tokens)
-        tokens.append(int(head_topk[len(path) - 1][path[-1]]))
+        node_of[path] = len(kept)
+        kept.append(path)
         parents.append(parent)
         depths.append(len(path))
-    return DraftTree(tuple(tokens), tuple(parents), tuple(depths))
+    return tuple(kept), tuple(parents), tuple(depths)
 
 
 def sparse_tree_choices(accuracy: Sequence[Sequence[float]], size: int) -> list[tuple[int, ...]]:

@@ -1,7 +1,8 @@
 """Measures what verifying a Medusa draft tree costs against one decoding forward, at batch 1.
 
 A model of Llama-3.1-8B's shapes (random bf16 weights, SDPA attention; on the GPU) holds a KV cache of CONTEXT
-tokens. Timed, each the median of REPEATS forwards with the cache cropped back after each:
+tokens. Timed, each the median of REPEATS forwards (`ligertune.bench.timing.measure`), the cache
+cropped back after each:
 
     decode          one token (plain decoding's step)
     tree N          1 pending token + an N-node tree from `default_medusa_choices` (4 heads), with the
@@ -16,12 +17,11 @@ table says how much. Usage (CUDA only):
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 from transformers import DynamicCache
 
+from ligertune.bench.timing import measure
 from ligertune.decoding.drafts import default_medusa_choices
 from ligertune.decoding.tree import medusa_tree
 from ligertune.decoding.verify import AttentionLayout, cache_keyword, tree_positions
@@ -30,19 +30,6 @@ from ligertune.models.presets import preset_fields
 from ligertune.recipe import ModelConfig
 
 REPEATS = 30
-
-
-def timed(forward, repeats: int) -> float:
-    """Median milliseconds of `forward()` over `repeats` runs, after 3 untimed, device-synchronized."""
-    times = []
-    for i in range(repeats + 3):
-        torch.cuda.synchronize() if torch.cuda.is_available() else None
-        start = time.perf_counter()
-        forward()
-        torch.cuda.synchronize() if torch.cuda.is_available() else None
-        if i >= 3:
-            times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 @torch.no_grad()
@@ -60,6 +47,10 @@ def main() -> None:
                         dtype=torch.bfloat16, seed=0).eval()
     vocab = model.config.vocab_size
     layout, cache_kw = AttentionLayout.of(model.config), cache_keyword(model)
+
+    def timed(forward) -> float:
+        return measure(forward, device=device, warmup=3, repeats=args.repeats, memory=False).median_ms
+
     cache = DynamicCache()
     prompt = torch.randint(0, vocab, (1, args.context), device=device)
     model(input_ids=prompt, use_cache=True, **{cache_kw: cache})
@@ -70,7 +61,7 @@ def main() -> None:
               position_ids=torch.tensor([[past]], device=device), use_cache=True, **{cache_kw: cache})
         cache.crop(-1)
 
-    rows = [("decode", 1, timed(decode, args.repeats))]
+    rows = [("decode", 1, timed(decode))]
     for size in [int(s) for s in args.sizes.split(",")]:
         topk = torch.randint(0, vocab, (4, 10)).tolist()
         tree = medusa_tree(topk, default_medusa_choices(4, size))
@@ -84,7 +75,7 @@ def main() -> None:
                   **{cache_kw: cache})
             cache.crop(-n)
 
-        rows.append((f"tree {len(tree)}", len(tree) + 1, timed(verify, args.repeats)))
+        rows.append((f"tree {len(tree)}", len(tree) + 1, timed(verify)))
         model(input_ids=ids[:, :1], position_ids=positions[:, :1], use_cache=True, **{cache_kw: cache})
     base = rows[0][2]
     where = torch.cuda.get_device_name() if device == "cuda" else "CPU"

@@ -1,7 +1,7 @@
 """Measures what verifying a Medusa draft tree costs against one decoding forward, at batch 1.
 
-A model of Llama-3.1-8B's shapes (random bf16 weights, SDPA attention; on the GPU) holds a KV cache of CONTEXT
-tokens. Timed, each the median of REPEATS forwards (`ligertune.bench.timing.measure`), the cache
+A model of Llama-3.1-8B's shapes (random bf16 weights, SDPA attention) holds a KV cache of
+CONTEXT tokens. Timed, each the median of REPEATS forwards (`ligertune.bench.timing.measure`), the cache
 cropped back after each:
 
     decode          one token (plain decoding's step)
@@ -9,7 +9,7 @@ cropped back after each:
                     tree mask and positions `speculative_generate` passes
 
 At batch 1 a forward reads every weight once, so a few dozen more query rows should cost little; the
-table says how much. Usage (CUDA only):
+table says how much. Usage (on the GPU; `--layers 1` makes a quick check on a CPU):
 
     python3 scripts/probes/tree_verify.py [--context 1024] [--model llama-3.1-8b]
 """

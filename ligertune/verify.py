@@ -29,7 +29,6 @@ is differentiated) and on the gradient of every trainable parameter.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import random
 from dataclasses import asdict, dataclass
@@ -132,7 +131,7 @@ def verify_loss(recipe: Recipe, *, samples: int = 8, modes: Sequence[str] = ("to
     """Run every case of the module docstring for each mode; see `Report.passed`. With
     `train.precision: fp8` the cases run in `model.dtype`: float8's dynamic scales follow each batch,
     so its rounding differs with the batching that the cases vary, while the loss's math does not."""
-    recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, precision="auto"))
+    recipe = recipe.in_model_dtype()
     build_objective(recipe)  # an objective the trainer cannot run yet is refused before anything loads
     if recipe.objective.preference:
         from ligertune.verify_preference import verify_preference_loss

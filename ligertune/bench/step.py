@@ -38,7 +38,6 @@ matmul measured once on the device.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import importlib
 import statistics
@@ -243,9 +242,7 @@ class StepBench:
         from ligertune.models import unwrap_model
         from ligertune.training.build import build_model
 
-        recipe = self.recipe
-        if not kernels:
-            recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, precision="auto"))
+        recipe = self.recipe if kernels else self.recipe.in_model_dtype()
         built = build_model(recipe, device=self.device, vocab_size=self.vocab_size, attention=attention,
                             kernels=kernels, before_adapters=before_adapters)
         model = built.module

@@ -868,3 +868,8 @@ class Recipe:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def in_model_dtype(self) -> Recipe:
+        """This recipe with every matmul in `model.dtype` (`train.precision: auto`): what verify-loss
+        checks and bench's peers run, whatever the recipe's precision."""
+        return dataclasses.replace(self, train=dataclasses.replace(self.train, precision="auto"))
+

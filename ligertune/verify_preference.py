@@ -201,13 +201,11 @@ def run_reference(objective, model: torch.nn.Module, units: Sequence[PreferenceU
     n_tokens = torch.tensor([n for u in units for n in u.scored_tokens()], device=device)
     batch = collate_preferences([whole]).to(device)
     weights = step_pair_weights([len(units)], across_ranks=False, device=device)[0]
-    logps = AnswerLogps(logp_sum, n_tokens)
-
-    def scored_alone(*args, **kwargs) -> AnswerLogps:  # KTO's z0 from the same sums, without gradient
-        return AnswerLogps(logp_sum.detach().float(), n_tokens)
-
-    (batch,) = objective.prepare_step(scored_alone, [batch])
-    loss = objective.loss(logps, batch, weights).loss
+    if objective.kto:  # z0 from the same sums: the mean log-ratio of the mismatched completions
+        mismatched = batch.answer_mismatched
+        log_ratio = logp_sum.detach()[mismatched] - batch.reference_logps[mismatched].double()
+        batch.kl_estimate = log_ratio.mean().clamp(min=0.0) if log_ratio.numel() else log_ratio.sum()
+    loss = objective.loss(AnswerLogps(logp_sum, n_tokens), batch, weights).loss
     loss.backward()
     return LossAndGrads(loss.item(), collect_grads(model))
 

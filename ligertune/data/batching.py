@@ -21,7 +21,7 @@ import torch
 
 from ligertune.data.chat import IGNORE_INDEX, TokenizedExample
 from ligertune.data.packing import Pack, shift_labels
-from ligertune.data.preference import PreferencePack
+from ligertune.data.preference import PreferencePack, varlen_segments
 from ligertune.devices import to_device
 
 
@@ -134,8 +134,10 @@ class PreferenceBatch:
     """One flattened micro-batch of preference packs: U units, A answers, T tokens, S scored tokens.
 
     `input_ids`, `position_ids`: [1, T] int64 (positions continue from the prompt in every answer).
+    `prompt_lens` [U] and `answer_lens` [U] (a tuple per unit): the layout of the units laid end to
+    end, each its prompt then its answers (`data.preference.PreferenceUnit`).
 
-    Attention (`PreferencePack.varlen` of every pack, laid end to end): segment s has the query rows
+    Attention (`data.preference.varlen_segments` of that layout): segment s has the query rows
     `cu_seqlens_q[s]:cu_seqlens_q[s+1]` (consecutive, from 0 to T) and the key rows
     `key_index[cu_seqlens_k[s]:cu_seqlens_k[s+1]]`, causal aligned to the end of the segment;
     `cu_seqlens_q`, `cu_seqlens_k`: int32; `key_index`: int64; `max_seqlen_q`, `max_seqlen_k`: the
@@ -144,7 +146,7 @@ class PreferenceBatch:
 
     Scores: the output of row `score_rows[i]` predicts token `score_targets[i]` of answer
     `score_answers[i]`: [S] int64, rows and answers numbered across the batch (a prompt's last row
-    appears once per answer it predicts).
+    appears once per answer it predicts), in answer order.
 
     Per answer ([A]): `answer_unit`, the unit it belongs to (a pair's index in the batch, or a KTO
     example's); `answer_chosen` (bool), for a pair whether it is the chosen answer (a pair's answers
@@ -154,12 +156,14 @@ class PreferenceBatch:
     `answer_tokens`, how many of its tokens are scored. `kto` says which of the two the batch holds.
 
     `to(device)` moves every tensor but the attention boundaries (`cu_seqlens_q`, `cu_seqlens_k`,
-    `key_index`), which stay on the host to be checked there and copied over without the host
-    waiting on the device, as `Batch` keeps `cu_seqlens`.
+    `key_index`) and `answer_tokens`, which stay on the host to be checked and indexed there and
+    copied over without the host waiting on the device, as `Batch` keeps `cu_seqlens`.
     """
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
+    prompt_lens: list[int]
+    answer_lens: list[tuple[int, ...]]
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: torch.Tensor
     key_index: torch.Tensor
@@ -195,7 +199,7 @@ class PreferenceBatch:
 
     @property
     def num_units(self) -> int:
-        return int(self.answer_unit[-1]) + 1 if self.answer_unit.numel() else 0
+        return len(self.prompt_lens)
 
     def attention(self) -> dict:
         """The attention boundaries as `CausalLMLoss.hidden_states`' keyword arguments."""
@@ -206,14 +210,82 @@ class PreferenceBatch:
         }
 
     def to(self, device: torch.device | str) -> PreferenceBatch:
-        return _to(self, device, keep_on_host=("cu_seqlens_q", "cu_seqlens_k", "key_index"))
+        return _to(self, device, keep_on_host=("cu_seqlens_q", "cu_seqlens_k", "key_index", "answer_tokens"))
+
+    def kto_parts(self) -> tuple[PreferenceBatch, PreferenceBatch | None]:
+        """KTO: (the completions, the mismatched completions): each unit as its prompt and its
+        completion, and as its prompt and its mismatched completion (just its prompt where it has
+        none, so that every rank runs as many forwards). The policy trains on the first and
+        estimates KL on the second, and each costs only its own tokens. A batch of pairs: itself
+        and None."""
+        if not self.kto:
+            return self, None
+        second = [a == 1 for lens in self.answer_lens for a in range(len(lens))]
+        return self.select_answers([not s for s in second]), self.select_answers(second)
+
+    def select_answers(self, keep: Sequence[bool]) -> PreferenceBatch:
+        """The batch with only the answers where `keep` [A] is True: every unit keeps its prompt,
+        a dropped answer's tokens leave the row and the rest close up (a unit left with one answer
+        is one causal segment). Rows and answers are numbered anew, the per-answer values (the
+        reference's too) follow their answers, and `kl_estimate` is kept. The indices are made on
+        the host from the layout and the scored counts, so the host does not wait on the device."""
+        if len(keep) != self.num_answers:
+            raise ValueError(f"select_answers: {len(keep)} flags for {self.num_answers} answers")
+        scored = self.answer_tokens.tolist()  # on the host
+        rows: list[int] = []  # the kept rows, in order
+        scores: list[int] = []  # the kept score triples (they come in answer order)
+        answers: list[int] = []
+        answer_lens: list[tuple[int, ...]] = []
+        row = answer = score = 0
+        for p, lens in zip(self.prompt_lens, self.answer_lens):
+            rows += range(row, row + p)
+            row += p
+            kept = []
+            for n in lens:
+                if keep[answer]:
+                    rows += range(row, row + n)
+                    scores += range(score, score + scored[answer])
+                    answers.append(answer)
+                    kept.append(n)
+                row, score, answer = row + n, score + scored[answer], answer + 1
+            answer_lens.append(tuple(kept))
+        device = self.input_ids.device
+        new_row = torch.full((self.num_tokens,), -1, dtype=torch.int64)
+        new_row[rows] = torch.arange(len(rows))
+        new_answer = torch.full((self.num_answers,), -1, dtype=torch.int64)
+        new_answer[answers] = torch.arange(len(answers))
+        rows_t, scores_t, answers_t, new_row, new_answer = (
+            to_device(torch.tensor(x, dtype=torch.int64) if isinstance(x, list) else x, device)
+            for x in (rows, scores, answers, new_row, new_answer))
+        segments = varlen_segments(self.prompt_lens, answer_lens)
+        return PreferenceBatch(
+            input_ids=self.input_ids[:, rows_t],
+            position_ids=self.position_ids[:, rows_t],
+            prompt_lens=list(self.prompt_lens),
+            answer_lens=answer_lens,
+            cu_seqlens_q=torch.tensor(segments.cu_seqlens_q, dtype=torch.int32),
+            cu_seqlens_k=torch.tensor(segments.cu_seqlens_k, dtype=torch.int32),
+            key_index=torch.tensor(segments.key_index, dtype=torch.int64),
+            max_seqlen_q=segments.max_seqlen_q,
+            max_seqlen_k=segments.max_seqlen_k,
+            score_rows=new_row[self.score_rows[scores_t]],
+            score_targets=self.score_targets[scores_t],
+            score_answers=new_answer[self.score_answers[scores_t]],
+            answer_unit=self.answer_unit[answers_t],
+            answer_chosen=self.answer_chosen[answers_t],
+            answer_mismatched=self.answer_mismatched[answers_t],
+            answer_tokens=self.answer_tokens[answers],
+            kto=self.kto,
+            reference_logps=None if self.reference_logps is None else self.reference_logps[answers_t],
+            kl_estimate=self.kl_estimate,
+        )
 
 
 def collate_preferences(packs: Sequence[PreferencePack]) -> PreferenceBatch:
     """The preference packs of one micro-batch concatenated into one row (see `PreferenceBatch`).
 
-    Each pack's rows, key rows, answers and units are offset by those of the packs before it. Packs
-    of pairs and packs of KTO examples are not mixed.
+    Each pack's rows and answers are offset by those of the packs before it. Packs of pairs and
+    packs of KTO examples are not mixed.
     """
     if not packs:
         raise ValueError("collate_preferences needs at least one pack")
@@ -223,32 +295,27 @@ def collate_preferences(packs: Sequence[PreferencePack]) -> PreferenceBatch:
     kto = kinds.pop()
     input_ids: list[int] = []
     position_ids: list[int] = []
-    cu_q, cu_k, key_index = [0], [0], []
-    max_q = max_k = 0
+    prompt_lens: list[int] = []
+    answer_lens: list[tuple[int, ...]] = []
     rows: list[int] = []
     targets: list[int] = []
     answers: list[int] = []
     answer_unit: list[int] = []
     answer_chosen: list[bool] = []
     answer_mismatched: list[bool] = []
-    units = 0
     for p in packs:
         row0, answer0 = len(input_ids), len(answer_unit)
-        segments = p.varlen()
-        cu_q += [row0 + q for q in segments.cu_seqlens_q[1:]]
-        cu_k += [len(key_index) + k for k in segments.cu_seqlens_k[1:]]
-        key_index += [row0 + k for k in segments.key_index]
-        max_q, max_k = max(max_q, segments.max_seqlen_q), max(max_k, segments.max_seqlen_k)
         rows += [row0 + r for r in p.score_rows]
         targets += p.score_targets
         answers += [answer0 + a for a in p.score_answers]
         for u, lens in enumerate(p.answer_lens):
             # Answer 0: a pair's chosen answer, a KTO example's completion (chosen if desirable);
             # answer 1: the rejected answer, the mismatched completion.
-            answer_unit += [units + u] * len(lens)
+            answer_unit += [len(prompt_lens) + u] * len(lens)
             answer_chosen += [a == 0 and (p.desirable[u] if kto else True) for a in range(len(lens))]
             answer_mismatched += [kto and a == 1 for a in range(len(lens))]
-        units += len(p.answer_lens)
+        prompt_lens += p.prompt_lens
+        answer_lens += p.answer_lens
         input_ids += p.input_ids
         position_ids += p.position_ids
 
@@ -265,14 +332,17 @@ def collate_preferences(packs: Sequence[PreferencePack]) -> PreferenceBatch:
         if reference.numel() != len(answer_unit):
             raise ValueError(f"the packs carry {reference.numel()} reference log-probabilities for "
                              f"{len(answer_unit)} answers")
+    segments = varlen_segments(prompt_lens, answer_lens)
     return PreferenceBatch(
         input_ids=ints([input_ids]),
         position_ids=ints([position_ids]),
-        cu_seqlens_q=ints(cu_q, torch.int32),
-        cu_seqlens_k=ints(cu_k, torch.int32),
-        key_index=ints(key_index),
-        max_seqlen_q=max_q,
-        max_seqlen_k=max_k,
+        prompt_lens=prompt_lens,
+        answer_lens=answer_lens,
+        cu_seqlens_q=ints(segments.cu_seqlens_q, torch.int32),
+        cu_seqlens_k=ints(segments.cu_seqlens_k, torch.int32),
+        key_index=ints(segments.key_index),
+        max_seqlen_q=segments.max_seqlen_q,
+        max_seqlen_k=segments.max_seqlen_k,
         score_rows=ints(rows),
         score_targets=ints(targets),
         score_answers=score_answers,

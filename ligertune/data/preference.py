@@ -21,7 +21,8 @@ A record becomes a *unit* that packs whole, rendered with the tokenizer's own ch
     pair:  prompt tokens once, then the chosen answer's tokens, then the rejected answer's tokens
     KTO:   prompt tokens once, then the completion's tokens, then the mismatched completion's: another
            example's completion after this prompt (`mismatch_completions`), scored for KTO's KL
-           estimate z0 and never trained; laid out as a pair's rejected answer
+           estimate z0 and never trained; laid out as a pair's rejected answer (the step runs
+           each unit's two completions in passes of their own: `PreferenceBatch.kto_parts`)
     KTO without a mismatched completion (a record read alone): prompt tokens, then the completion's
 
 Each `prompt + answer` is exactly `chat.tokenize_conversation(prompt + answer)`: the conversation is
@@ -657,6 +658,32 @@ class VarlenSegments:
     max_seqlen_k: int
 
 
+def varlen_segments(prompt_lens: Sequence[int], answer_lens: Sequence[Sequence[int]]) -> VarlenSegments:
+    """The segments of units laid end to end, unit u being a prompt of `prompt_lens[u]` tokens then
+    answers of `answer_lens[u]` tokens: a unit of one answer is one causal segment; otherwise the
+    prompt is one, and each answer one more whose keys are the prompt's rows then its own."""
+    cu_q, cu_k, keys = [0], [0], []
+    offset = 0
+    for p, lens in zip(prompt_lens, answer_lens):
+        if len(lens) == 1:  # prompt + one answer: plain causal
+            segments = [(offset + p + lens[0], [range(offset, offset + p + lens[0])])]
+        else:
+            segments = [(offset + p, [range(offset, offset + p)])]
+            start = offset + p
+            for n in lens:
+                segments.append((start + n, [range(offset, offset + p), range(start, start + n)]))
+                start += n
+        for q_end, key_ranges in segments:
+            cu_q.append(q_end)
+            for r in key_ranges:
+                keys.extend(r)
+            cu_k.append(len(keys))
+        offset += p + sum(lens)
+    widths_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
+    widths_k = [b - a for a, b in zip(cu_k, cu_k[1:])]
+    return VarlenSegments(cu_q, cu_k, keys, max(widths_q, default=0), max(widths_k, default=0))
+
+
 @dataclass
 class PreferencePack:
     """Whole units laid end to end (each unit as drawn in the module docstring, shifted by its offset).
@@ -711,24 +738,7 @@ class PreferencePack:
         return len(self.score_rows)
 
     def varlen(self) -> VarlenSegments:
-        cu_q, cu_k, keys = [0], [0], []
-        for offset, p, lens in zip(self.cu_seqlens, self.prompt_lens, self.answer_lens):
-            if len(lens) == 1:  # prompt + one answer: plain causal
-                segments = [(offset, offset + p + lens[0], [range(offset, offset + p + lens[0])])]
-            else:
-                segments = [(offset, offset + p, [range(offset, offset + p)])]
-                start = offset + p
-                for n in lens:
-                    segments.append((start, start + n, [range(offset, offset + p), range(start, start + n)]))
-                    start += n
-            for q_start, q_end, key_ranges in segments:
-                cu_q.append(q_end)
-                for r in key_ranges:
-                    keys.extend(r)
-                cu_k.append(len(keys))
-        widths_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
-        widths_k = [b - a for a, b in zip(cu_k, cu_k[1:])]
-        return VarlenSegments(cu_q, cu_k, keys, max(widths_q, default=0), max(widths_k, default=0))
+        return varlen_segments(self.prompt_lens, self.answer_lens)
 
     def attention_mask(self) -> torch.Tensor:
         """`[L, L]` bool, True where query row i may attend to key row j (the CPU reference)."""

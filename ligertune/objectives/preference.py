@@ -27,7 +27,9 @@ of a pair, |c|, |r| their scored tokens, beta > 0:
            undesirable w_u (1 - sigmoid(beta (z0 - r)))
            KL estimate: the mean of p - ref over the step's mismatched completions (each example's
            prompt with another example's completion, its unit's second answer), computed without
-           gradient before the first backward (`Preference.prepare_step`)
+           gradient before the first backward (`Preference.prepare_step`) over the units with their
+           mismatched completions alone; the training forward then runs the units with their own
+           completions alone (`PreferenceBatch.kto_parts`)
 
 The step loss is the mean over the step's pairs (KTO: examples), every micro-batch and rank counted
 before the first backward (`step_pair_weights`), so it is one number whatever the batching, exactly
@@ -371,6 +373,8 @@ class PreferenceBatch(Protocol):
     reference_logps: [A] float32, the reference model's sums of log p over the same scored tokens
         (None for SimPO and ORPO).
     kl_estimate: KTO: the step's z0, a scalar, set by `Preference.prepare_step` (None before).
+    kto_parts(): KTO: (the batch with the completions only, the batch with the mismatched
+        completions only), each unit keeping its prompt (`data.PreferenceBatch.kto_parts`).
 
     The batch is a dataclass: `prepare_step` hands back copies that carry `kl_estimate`.
     """
@@ -386,6 +390,8 @@ class PreferenceBatch(Protocol):
     answer_mismatched: torch.Tensor
     reference_logps: torch.Tensor | None
     kl_estimate: torch.Tensor | None
+
+    def kto_parts(self) -> tuple[PreferenceBatch, PreferenceBatch | None]: ...
 
 
 class AnswerScorer(Protocol):
@@ -442,32 +448,34 @@ class Preference:
                              "logp_chosen", "logp_rejected")
 
     def prepare_step(self, engine: AnswerScorer, batches: Sequence[PreferenceBatch]) -> list[PreferenceBatch]:
-        """KTO: the step's batches carrying its reference point z0 (`kl_estimate`); the paired losses
-        need nothing of the whole step but their weights: the batches as they are."""
+        """KTO: the step's completions (`PreferenceBatch.kto_parts`), carrying its reference point z0
+        (`kl_estimate`), which the mismatched completions give; the paired losses need nothing of the
+        whole step but their weights: the batches as they are."""
         if not self.kto or not batches:
             return list(batches)
-        z0 = self.kl_estimate(engine, batches)
-        return [dataclasses.replace(batch, kl_estimate=z0) for batch in batches]
+        completions, mismatched = zip(*(batch.kto_parts() for batch in batches))
+        z0 = self.kl_estimate(engine, mismatched, device=batches[0].answer_pair.device)
+        return [dataclasses.replace(batch, kl_estimate=z0) for batch in completions]
 
     @torch.no_grad()
-    def kl_estimate(self, engine: AnswerScorer, batches: Sequence[PreferenceBatch]) -> torch.Tensor:
+    def kl_estimate(self, engine: AnswerScorer, batches: Sequence[PreferenceBatch], device: torch.device
+                    ) -> torch.Tensor:
         """KTO's reference point z0 = max(0, mean over the step's mismatched completions of p - ref),
-        a float64 scalar on the batches' device.
+        a float64 scalar on `device`, from `batches` of mismatched completions (`kto_parts`).
 
         One forward per micro-batch without gradient (the policy as the step's forwards will see
         it); the sum and the count of the mismatched completions are added over the micro-batches
         and all-reduced over the ranks before the mean is taken, so z0 is one number whatever the
         batching. 0 when the step has no mismatched completion.
         """
-        totals = torch.zeros(2, dtype=torch.float64, device=batches[0].answer_pair.device)
+        totals = torch.zeros(2, dtype=torch.float64, device=device)
         for batch in batches:
-            self.attach_reference(batch)  # a live reference scores here, once, for this and the forward
+            self.attach_reference(batch)
             if batch.reference_logps is None:
                 raise ValueError("kto needs the reference model's log-probabilities (reference_logps) "
                                  "before the step, for its KL estimate")
-            policy = score(engine, batch).logp_sum.double()
-            mismatched = batch.answer_mismatched.to(policy.device, torch.bool)
-            log_ratio = policy - batch.reference_logps.to(policy.device).double()
+            log_ratio = score(engine, batch).logp_sum.double() - batch.reference_logps.to(device).double()
+            mismatched = batch.answer_mismatched.to(device, torch.bool)
             totals += torch.stack([torch.where(mismatched, log_ratio, 0.0).sum(), mismatched.sum().double()])
         total, count = _global_sum(totals).unbind()
         return (total / count.clamp(min=1)).clamp(min=0.0)

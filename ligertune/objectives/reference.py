@@ -48,7 +48,9 @@ from ligertune.errors import UserError
 from ligertune.files import write_atomic_text
 
 REFERENCE_FILE = "reference_logps.json"
-FORMAT = 1
+FORMAT = 2
+"""Part of the cache key: 2 since KTO's completions and mismatched completions are scored in forwards
+of their own (`score_as_the_step_does`)."""
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".json", ".model")
 """The files of a model folder that decide its outputs (weights, configs, quantization)."""
 
@@ -63,6 +65,19 @@ def score_answers(engine: nn.Module, batch) -> torch.Tensor:
                  score_targets=batch.score_targets, score_answers=batch.score_answers,
                  num_answers=batch.num_answers, **batch.attention())
     return out.logp_sum.float()
+
+
+def score_as_the_step_does(engine: nn.Module, batch) -> torch.Tensor:
+    """`score_answers` over the rows the training step runs: for KTO, the completions and the
+    mismatched completions each in a forward of their own (`PreferenceBatch.kto_parts`), so that
+    the policy at the start gives the reference's values to the bit."""
+    completions, mismatched = batch.kto_parts()
+    if mismatched is None:
+        return score_answers(engine, batch)
+    second = [a == 1 for lens in batch.answer_lens for a in range(len(lens))]
+    order = [i for i, s in enumerate(second) if not s] + [i for i, s in enumerate(second) if s]
+    values = torch.cat([score_answers(engine, completions), score_answers(engine, mismatched)])
+    return torch.empty_like(values).index_copy_(0, torch.tensor(order, device=values.device), values)
 
 
 @torch.no_grad()
@@ -81,7 +96,7 @@ def compute_reference_logps(engine: nn.Module, packs: Sequence[PreferencePack], 
         for i in range(forwards):
             pack = share[i] if i < len(share) else packs[0]
             batch = collate_preferences([dataclasses.replace(pack, reference_logps=None)]).to(device)
-            scored.append(score_answers(engine, batch))
+            scored.append(score_as_the_step_does(engine, batch))
     finally:
         engine.train(was_training)
     values = [v.tolist() for v in torch.cat(scored).cpu().split([len(v) for v in scored])] if scored else []

@@ -92,6 +92,12 @@ def pad_token_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
+def trained_part(batch: Batch | PaddedBatch | PreferenceBatch) -> Batch | PaddedBatch | PreferenceBatch:
+    """What the step's forward and backward run of `batch`: all of it, but for KTO, whose
+    mismatched completions go through a pass without gradient only (`PreferenceBatch.kto_parts`)."""
+    return batch.kto_parts()[0] if isinstance(batch, PreferenceBatch) else batch
+
+
 def real_tokens(batch: Batch | PaddedBatch) -> int | torch.Tensor:
     """Tokens that are not padding (a device tensor for a padded batch: counted without a sync)."""
     if isinstance(batch, (Batch, PreferenceBatch)):
@@ -153,8 +159,9 @@ def train_step(run: Run, batches: list[Batch | PaddedBatch]) -> StepStats:
             prefetch_batches(run)  # while the device runs this step: the read-back below waits for it
         lr = run.scheduler.get_last_lr()[0]
         names = run.objective.sums
-        counts = [torch.as_tensor(sum(real_tokens(b) for b in batches), device=run.device),
-                  torch.as_tensor(sum(squared_lengths(b) for b in batches), device=run.device)]
+        trained = [trained_part(b) for b in batches]
+        counts = [torch.as_tensor(sum(real_tokens(b) for b in trained), device=run.device),
+                  torch.as_tensor(sum(squared_lengths(b) for b in trained), device=run.device)]
         # The step's numbers summed over the ranks, then one transfer to the host for all of them.
         summed = all_reduce_sum(torch.stack([x.double() for x in [*(totals[k] for k in names), *counts]]))
         numbers = torch.cat([summed, torch.stack([clipped.norm.double(), clipped.tensors.double()]).to(run.device)])

@@ -143,14 +143,88 @@ def test_mixed_or_empty_batches_are_refused():
         collate_preferences([])
 
 
-def test_to_keeps_the_attention_boundaries_on_the_host():
+def test_to_keeps_the_attention_boundaries_and_the_scored_counts_on_the_host():
     batch = collate_preferences([make_preference_pack(PAIRS, [0, 1])])
     moved = batch.to("meta")
     moved_fields = ("input_ids", "position_ids", "score_rows", "score_answers", "answer_chosen",
-                    "answer_mismatched", "answer_tokens")
+                    "answer_mismatched")
     for name in moved_fields:
         assert getattr(moved, name).device.type == "meta"
-    for name in ("cu_seqlens_q", "cu_seqlens_k", "key_index"):
+    for name in ("cu_seqlens_q", "cu_seqlens_k", "key_index", "answer_tokens"):
         assert getattr(moved, name).device.type == "cpu"
     assert moved.max_seqlen_k == batch.max_seqlen_k and moved.kto is False
     assert set(batch.attention()) == {"cu_seqlens", "max_seqlen", "cu_seqlens_k", "max_seqlen_k", "key_index"}
+
+
+def alone(unit: KTOExample, answer: int) -> KTOExample:
+    """The unit as its prompt and its answer `answer` alone."""
+    p = unit.prompt_len
+    start, end = unit.answer_spans[answer]
+    return KTOExample(input_ids=unit.input_ids[:p] + unit.input_ids[start:end],
+                      labels=unit.labels[:p] + unit.labels[start:end], prompt_len=p,
+                      answer_lens=(unit.answer_lens[answer],), desirable=unit.desirable)
+
+
+def assert_same_layout(got, want) -> None:
+    for name in ("input_ids", "position_ids", "cu_seqlens_q", "cu_seqlens_k", "key_index", "score_rows",
+                 "score_targets", "score_answers", "answer_unit", "answer_tokens"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert (got.max_seqlen_q, got.max_seqlen_k) == (want.max_seqlen_q, want.max_seqlen_k)
+    assert (got.prompt_lens, got.answer_lens) == (want.prompt_lens, want.answer_lens)
+
+
+def test_kto_parts_are_the_units_with_each_completion_alone():
+    """The training forward runs each KTO unit as its prompt and completion, the KL estimate's as its
+    prompt and mismatched completion: each part is the batch those units would collate to, with the
+    flags and the reference values of its answers."""
+    units = [kto(100, 3, 2, True, mismatched=3), kto(200, 2, 4, False, mismatched=1),
+             kto(300, 1, 1, True, mismatched=2)]
+    units[1].labels[2 + 4] = _  # an unscored token of a mismatched completion
+    packs = [make_preference_pack(units, [1]), make_preference_pack(units, [2, 0])]
+    batch = collate_preferences(packs)
+    batch.reference_logps = torch.arange(6, dtype=torch.float32)
+    batch.kl_estimate = torch.tensor(0.5)
+    completions, mismatched = batch.kto_parts()
+    order = [1, 2, 0]
+    for part, answer in ((completions, 0), (mismatched, 1)):
+        singles = [alone(units[i], answer) for i in order]
+        assert_same_layout(part, collate_preferences([make_preference_pack(singles, [0]),
+                                                      make_preference_pack(singles, [1, 2])]))
+        assert part.kto and part.kl_estimate is batch.kl_estimate
+        assert part.reference_logps.tolist() == batch.reference_logps[answer::2].tolist()
+    assert completions.answer_chosen.tolist() == [False, True, True]
+    assert not completions.answer_mismatched.any()
+    assert mismatched.answer_mismatched.all() and not mismatched.answer_chosen.any()
+    assert mismatched.answer_tokens.tolist() == [0, 2, 3]
+
+
+def test_kto_parts_keep_the_prompt_of_a_unit_without_the_answer():
+    """A unit without a mismatched completion (a padding unit has no answer at all) stays in both
+    parts as its prompt, scoring nothing there: every rank runs as many forwards."""
+    units = [kto(100, 3, 2, True, mismatched=3), kto(200, 2, 4, False)]
+    batch = collate_preferences([make_preference_pack(units, [0, 1])])
+    completions, mismatched = batch.kto_parts()
+    assert completions.answer_lens == [(2,), (4,)] and completions.num_tokens == 11
+    assert mismatched.answer_lens == [(3,), ()] and mismatched.num_tokens == 8
+    assert mismatched.input_ids[0].tolist() == [100, 101, 102, 105, 106, 107, 200, 201]
+    assert mismatched.answer_unit.tolist() == [0]
+    mask = dense_mask(mismatched.cu_seqlens_q.tolist(), mismatched.cu_seqlens_k.tolist(),
+                      mismatched.key_index.tolist(), 8)
+    assert torch.equal(mask[6:, 6:], torch.ones(2, 2, dtype=torch.bool).tril()) and not mask[6:, :6].any()
+
+
+def test_a_batch_of_pairs_is_its_own_training_part():
+    batch = collate_preferences([make_preference_pack(PAIRS, [0, 1])])
+    training, mismatched = batch.kto_parts()
+    assert training is batch and mismatched is None
+
+
+def test_select_answers_drops_a_pairs_answer_and_closes_the_row():
+    batch = collate_preferences([make_preference_pack(PAIRS, [0, 1])])
+    rejected_only = batch.select_answers([False, True, False, True])
+    singles = [PreferenceExample(input_ids=u.input_ids[:u.prompt_len] + u.input_ids[u.answer_spans[1][0]:],
+                                 labels=u.labels[:u.prompt_len] + u.labels[u.answer_spans[1][0]:],
+                                 prompt_len=u.prompt_len, answer_lens=(u.answer_lens[1],)) for u in PAIRS[:2]]
+    assert_same_layout(rejected_only, collate_preferences([make_preference_pack(singles, [0, 1])]))
+    with pytest.raises(ValueError, match="4 answers"):
+        batch.select_answers([True])

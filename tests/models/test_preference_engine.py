@@ -121,6 +121,29 @@ def test_kto_z0_and_loss_are_the_formula_and_do_not_depend_on_the_batching():
             assert relative_error(g, g0) < 1e-5, name
 
 
+def test_kto_trains_on_the_completions_and_estimates_kl_on_the_mismatched_completions_alone():
+    """The pass without gradient runs each unit as its prompt and mismatched completion, the training
+    forward as its prompt and completion: no forward carries an answer it does not score."""
+    units = make_units(KTO_MISMATCHED_SHAPES, kto=True)
+    head = CausalLMLoss(float64_model("llama"))
+    seen = []
+
+    def recording(input_ids, *args, **kwargs):
+        seen.append((torch.is_grad_enabled(), input_ids.shape[1]))
+        return head(input_ids, *args, **kwargs)
+
+    objective = Preference(PreferenceConfig(loss="kto"))
+    packs = [make_preference_pack(units, [0, 1]), make_preference_pack(units, [2, 3])]
+    for pack in packs:
+        pack.reference_logps = [0.0] * 4
+    batches = objective.prepare_step(recording, [collate_preferences([pack]) for pack in packs])
+    for batch, w in zip(batches, objective.step_weights(batches)):
+        objective.forward(recording, batch, w).loss.backward()
+    (p0, c0, m0), (p1, c1, m1), (p2, c2, m2), (p3, c3, m3) = KTO_MISMATCHED_SHAPES
+    assert seen == [(False, p0 + m0 + p1 + m1), (False, p2 + m2 + p3 + m3),
+                    (True, p0 + c0 + p1 + c1), (True, p2 + c2 + p3 + c3)]
+
+
 def test_engine_refuses_targets_beside_scores():
     units = make_units(CASES["pairs-3+2"][0][:1], kto=False)
     batch = collate_preferences([make_preference_pack(units, [0])])

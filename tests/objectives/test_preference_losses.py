@@ -4,13 +4,12 @@ float64, and the step loss as one number whatever the batching."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+from ligertune.data import PreferenceBatch, collate_preferences
 from ligertune.data.preference import KTOExample, PreferenceExample, make_preference_pack
 from ligertune.kernels import LossOptions
 from ligertune.numerics import relative_error
@@ -269,23 +268,6 @@ def test_step_pair_weights_count_the_whole_step():
     assert step_pair_weights([0])[0].numel() == 0  # no pairs: nothing to divide
 
 
-@dataclass
-class ToyBatch:
-    """A micro-batch as the objective reads it (`preference.PreferenceBatch`)."""
-
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    score_rows: torch.Tensor
-    score_targets: torch.Tensor
-    score_answers: torch.Tensor
-    answer_pair: torch.Tensor
-    answer_chosen: torch.Tensor
-    answer_mismatched: torch.Tensor
-    reference_logps: torch.Tensor | None
-    attention: dict[str, Any] = field(default_factory=dict)
-    kl_estimate: torch.Tensor | None = None
-
-
 VOCAB, HIDDEN = 29, 12
 
 
@@ -329,22 +311,13 @@ def make_units(kto: bool) -> list:
     return units
 
 
-def collate_toy(units, indices, reference: torch.Tensor) -> ToyBatch:
+def collate_toy(units, indices, reference: torch.Tensor) -> PreferenceBatch:
     """One pack of the units at `indices` as a micro-batch, with the reference sums of its answers."""
-    pack = make_preference_pack(units, indices)
-    per_unit = [len(units[i].answer_lens) for i in indices]
-    answer_pair = torch.arange(len(indices)).repeat_interleave(torch.tensor(per_unit))
-    second = torch.tensor([j == 1 for n in per_unit for j in range(n)])
-    if pack.desirable is not None:
-        chosen = torch.tensor([d for d, n in zip(pack.desirable, per_unit) for _ in range(n)]) & ~second
-    else:
-        chosen = ~second
     first = [sum(len(u.answer_lens) for u in units[:i]) for i in indices]
-    ref = torch.cat([reference[f:f + n] for f, n in zip(first, per_unit)])
-    long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
-    mismatched = second & (pack.desirable is not None)
-    return ToyBatch(long([pack.input_ids]), long([pack.position_ids]), long(pack.score_rows),
-                    long(pack.score_targets), long(pack.score_answers), answer_pair, chosen, mismatched, ref)
+    ref = torch.cat([reference[f:f + len(units[i].answer_lens)] for f, i in zip(first, indices)])
+    batch = collate_preferences([make_preference_pack(units, indices)])
+    batch.reference_logps = ref
+    return batch
 
 
 SPLITS = {"1x4": [[0, 1, 2, 3]], "4x1": [[2], [0], [3], [1]], "2x2": [[3, 1], [0, 2]]}

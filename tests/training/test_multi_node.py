@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from cli_runs import free_port, ligertune, start_ligertune, train_records
 from safetensors.torch import load_file
 from tiny_recipe import write_recipe

@@ -29,7 +29,7 @@ from ligertune.training import RunInterrupted, cleanup
 from ligertune.training.checkpoint import latest_checkpoint
 from ligertune.training.display import format_metrics
 from ligertune.training.evaluation import evaluate
-from ligertune.training.step import forward_backward, make_batch
+from ligertune.training.step import forward_backward, make_batch, next_batches, train_step
 
 
 def paired_records(n: int, offset: int = 0) -> list[dict]:
@@ -269,3 +269,22 @@ def test_kto_starts_at_half_of_each_weight_and_resumes_bitwise(tmp_path: Path):
         return [{k: v for k, v in r.items() if k not in TIMINGS}
                 for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] > 2 and "checkpoint" not in r]
     assert after(tmp_path / "resumed") == after(tmp_path / "straight")
+
+
+def test_kto_counts_the_tokens_its_training_forward_runs(tmp_path: Path):
+    """tokens/s and MFU count what the forward and backward run: each unit's prompt and completion,
+    not its mismatched completion, which only the pass without gradient reads."""
+    path = write_preference_recipe(
+        tmp_path, n_train=8, n_eval=2, make_records=unpaired_records, objective={"name": "kto"},
+        data={"format": "unpaired", "packing": False},
+        train={"max_steps": 1, "micro_batch_size": 4, "grad_accum_steps": 2})
+    run = start(path, f"output.dir={tmp_path / 'run'}")
+    try:
+        units = run.data.prepared.train
+        assert len(units) == 8 and all(len(u.answer_lens) == 2 for u in units)
+        stats = train_step(run, next_batches(run))  # every unit, one per pack
+        trained = [u.prompt_len + u.answer_lens[0] for u in units]
+        assert stats.real_tokens == sum(trained) < sum(len(u) for u in units)
+        assert stats.flops == run.step_flops(sum(trained), sum(n * n for n in trained))
+    finally:
+        cleanup(run)

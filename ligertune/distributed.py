@@ -93,6 +93,14 @@ def barrier() -> None:
         dist.barrier()
 
 
+def finished_together() -> None:
+    """Wait until every rank is past its last collective: on the way out of work that went well,
+    before the process group is destroyed. With gloo, a communication thread still letting go of a
+    collective's tensors while Python shuts down aborts a process that has finished (SIGABRT). Not
+    after an error: the other ranks may never come."""
+    barrier()
+
+
 def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     """The sum of `value` over the ranks (itself with one process)."""
     if dist.is_available() and dist.is_initialized():

@@ -34,7 +34,7 @@ def verify_loss(
 
     Example: [bold]ligertune verify-loss recipes/quickstart.yaml --modes token,sequence --samples 8 --nproc 2[/]
     """
-    from ligertune.distributed import destroy_process_group, is_main_process, launch
+    from ligertune.distributed import destroy_process_group, finished_together, is_main_process, launch
     from ligertune.recipe import load_recipe
     from ligertune.verify import verify_loss as run
 
@@ -49,6 +49,7 @@ def verify_loss(
         raise typer.Exit(launch(nproc, command))
     try:
         report = run(loaded, samples=samples, modes=[m.strip() for m in modes.split(",") if m.strip()])
+        finished_together()
     finally:
         destroy_process_group()
     if not is_main_process():

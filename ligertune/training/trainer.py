@@ -37,8 +37,8 @@ from ligertune.distributed import (
     PeersLost,
     Topology,
     all_reduce_max,
-    barrier,
     destroy_process_group,
+    finished_together,
     gather_objects,
     init_process_group,
     together,
@@ -125,10 +125,7 @@ def train(
             try:
                 with StopSignals() as stop:
                     result = train_loop(run, stop)
-                # Every rank past its last collective: the communication threads have let go of the
-                # collectives' tensors before the process exits. (With gloo, a thread still releasing
-                # one while Python shuts down aborts the finished process.)
-                barrier()
+                finished_together()
                 return result
             finally:
                 cleanup(run)

@@ -17,7 +17,12 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from ligertune.distributed import destroy_process_group, full_tensor, topology_from_environment
+from ligertune.distributed import (
+    destroy_process_group,
+    finished_together,
+    full_tensor,
+    topology_from_environment,
+)
 from ligertune.recipe import load_recipe
 from ligertune.training import build, forward_backward, next_batches, trainer
 from ligertune.training.precision import local
@@ -50,4 +55,5 @@ if __name__ == "__main__":
     result = one_step(recipe_path, overrides, Path(out).parent / "run-two")
     if topology_from_environment().is_main:
         torch.save(result, out)
+    finished_together()
     destroy_process_group()

@@ -16,7 +16,13 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from ligertune.distributed import all_reduce_sum, destroy_process_group, full_tensor, topology_from_environment
+from ligertune.distributed import (
+    all_reduce_sum,
+    destroy_process_group,
+    finished_together,
+    full_tensor,
+    topology_from_environment,
+)
 from ligertune.recipe import load_recipe
 from ligertune.training import cleanup, evaluate, forward_backward, next_batches, setup, train_step
 
@@ -42,4 +48,5 @@ if __name__ == "__main__":
     result = preference_step(recipe_path, overrides, Path(out).parent / "runs")
     if topology_from_environment().is_main:
         torch.save(result, out)
+    finished_together()
     destroy_process_group()

@@ -10,7 +10,7 @@ import sys
 from rich.console import Console
 from test_spikes import spike_at
 
-from ligertune.distributed import destroy_process_group
+from ligertune.distributed import destroy_process_group, finished_together
 from ligertune.recipe import load_recipe
 from ligertune.training import cleanup, setup, train_loop
 
@@ -20,6 +20,7 @@ if __name__ == "__main__":
     spike_at(run, {int(step)})
     try:
         train_loop(run)
+        finished_together()
     finally:
         cleanup(run)
         destroy_process_group()

@@ -14,7 +14,12 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from ligertune.distributed import destroy_process_group, full_tensor, topology_from_environment
+from ligertune.distributed import (
+    destroy_process_group,
+    finished_together,
+    full_tensor,
+    topology_from_environment,
+)
 from ligertune.recipe import load_recipe
 from ligertune.training import cleanup, forward_backward, next_batches, setup
 
@@ -45,4 +50,5 @@ if __name__ == "__main__":
     results = step_gradients(recipe_path, overrides, Path(out).parent / "runs")
     if topology_from_environment().is_main:
         torch.save(results, out)
+    finished_together()
     destroy_process_group()

@@ -2,8 +2,9 @@
 
     report = run_memory_caps(recipe, StepBenchConfig(), [12, 24, 40])   # GiB of peak allocated memory
 
-The peers (HF and HF + Liger, with peft for LoRA recipes) run with gradient checkpointing off and
-on; under a cap each gets the faster of the two that fits. ligertune runs its own policy,
+The peers (HF and HF + Liger, with peft for LoRA recipes; for a preference recipe TRL's DPOTrainer
+and TRL + Liger, in pairs/s) run with gradient checkpointing off and on; under a cap each gets the
+faster of the two that fits. ligertune runs its own policy,
 `gradient_checkpointing: auto` with `memory_budget_gib` set to the cap, once per cap: the plan the
 trainer would make under that budget (`bench.step`).
 """
@@ -14,7 +15,7 @@ import dataclasses
 from typing import Callable
 
 from ligertune.bench.results import CapChoice, CapReport, StepRow
-from ligertune.bench.step import LIGERTUNE, StepBench, StepBenchConfig, compare, new_report, tokenizer_vocab
+from ligertune.bench.step import LIGERTUNE, StepBenchConfig, compare, new_report, step_bench_for, tokenizer_vocab
 from ligertune.errors import UserError
 from ligertune.recipe import Recipe
 
@@ -30,19 +31,17 @@ def run_memory_caps(
     """Every variant's rows (synthetic only), and per cap each variant's fastest setting that fits."""
     if not caps or any(c <= 0 for c in caps):
         raise UserError(f"--memory-cap: give one or more positive GiB figures, got {caps}")
-    if recipe.objective.preference:
-        raise UserError(f"--memory-cap: compares supervised fine-tuning steps; the recipe's objective is "
-                        f"{recipe.objective.name}")
+    bench = step_bench_for(recipe, config)
     config = dataclasses.replace(config, chat=False)
     device, report = new_report(recipe, config, recipe_name, log)
     vocab_size = tokenizer_vocab(recipe)
     for checkpointing in (False, True) if config.peers else ():
         variant = with_checkpointing(recipe, checkpointing, None)
-        StepBench(variant, config, device, vocab_size, report, log).run(ligertune=False)
+        bench(variant, config, device, vocab_size, report, log).run(ligertune=False)
     planned: dict[float, StepRow] = {}
     for cap in caps:
         variant = with_checkpointing(recipe, "auto", cap)
-        StepBench(variant, config, device, vocab_size, report, log).run(peers=False)
+        bench(variant, config, device, vocab_size, report, log).run(peers=False)
         planned[cap] = report.rows[-1]  # ligertune's, measured or failed
     compare(report)
     choices = cap_choices([r for r in report.rows if r.name != LIGERTUNE], planned, caps)
@@ -65,7 +64,8 @@ def cap_choices(peer_rows: list[StepRow], planned: dict[float, StepRow], caps: l
             if best is None and name == LIGERTUNE and measured:
                 best = measured[0]
             choice = CapChoice(cap, name, best.checkpointing if best else None, best.tokens_per_s if best else None,
-                               best.peak_mem_gib if best else None, fits=any(best is r for r in fitting))
+                               best.peak_mem_gib if best else None, fits=any(best is r for r in fitting),
+                               pairs_per_s=best.pairs_per_s if best else None)
             if name == LIGERTUNE:
                 ours = choice if choice.fits else None
             elif ours is not None and choice.fits:

@@ -269,8 +269,10 @@ def cap_table(report) -> Table:
     """Per memory cap, each variant at its fastest setting that fits (`bench step --memory-cap`)."""
     table = Table(title="under memory caps: each variant's fastest setting whose peak fits",
                   title_justify="left", title_style="bold")
+    pairs = any(choice.pairs_per_s is not None for choice in report.choices)
     for name, justify in (("cap GiB", "right"), ("variant", "left"), ("checkpointing", "left"),
-                          ("tokens/s", "right"), ("peak GiB", "right"), ("ligertune vs", "right")):
+                          ("pairs/s" if pairs else "tokens/s", "right"), ("peak GiB", "right"),
+                          ("ligertune vs", "right")):
         table.add_column(name, justify=justify, no_wrap=name != "variant")
     cap = None
     for choice in report.choices:
@@ -284,7 +286,8 @@ def cap_table(report) -> Table:
         else:
             setting = _escape(choice.checkpointing or "-")
         name = f"[bold]{choice.name}[/]" if choice.name.startswith("ligertune") else _escape(choice.name)
-        table.add_row(fmt(choice.cap_gib, "g"), name, setting, fmt(choice.tokens_per_s, ",.0f"),
+        rate = fmt(choice.pairs_per_s, ".3g") if pairs else fmt(choice.tokens_per_s, ",.0f")
+        table.add_row(fmt(choice.cap_gib, "g"), name, setting, rate,
                       fmt(choice.peak_mem_gib, ".2f"), fmt(choice.vs_ligertune, ".2f", "x"))
     return table
 

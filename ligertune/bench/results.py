@@ -173,6 +173,7 @@ class CapChoice:
     peak_mem_gib: float | None
     fits: bool
     vs_ligertune: float | None = None  # ligertune's tokens/s at this cap over this variant's
+    pairs_per_s: float | None = None  # a preference step's rate (None for supervised fine-tuning)
 
 
 @dataclass

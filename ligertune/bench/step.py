@@ -107,17 +107,23 @@ def run_step_bench(
 ) -> StepReport:
     """Time the recipe's training step with ligertune, plain HF and HF + Liger, then packed vs padded chat;
     a preference recipe's in pairs, with ligertune, TRL and TRL + Liger (`bench.preference`)."""
+    bench = step_bench_for(recipe, config)
+    device, report = new_report(recipe, config, recipe_name, log)
+    bench(recipe, config, device, tokenizer_vocab(recipe), report, log).run(peers=config.peers)
+    compare(report)
+    return report
+
+
+def step_bench_for(recipe: Recipe, config: StepBenchConfig) -> type[StepBench]:
+    """The bench of the recipe's objective (`StepBench`, or `PreferenceStepBench` in pairs), its
+    options checked."""
     from ligertune.bench.preference import PreferenceStepBench, check_pair_options
 
     if recipe.objective.name == "distill":
         raise UserError("objective.name: bench step times sft and preference steps; a distillation step is not "
                         "timed yet (`ligertune bench kernels` times its fused divergence)")
     check_pair_options(recipe, config)
-    device, report = new_report(recipe, config, recipe_name, log)
-    bench = PreferenceStepBench if recipe.objective.preference else StepBench
-    bench(recipe, config, device, tokenizer_vocab(recipe), report, log).run(peers=config.peers)
-    compare(report)
-    return report
+    return PreferenceStepBench if recipe.objective.preference else StepBench
 
 
 def new_report(recipe: Recipe, config: StepBenchConfig, recipe_name: str,

@@ -129,7 +129,6 @@ def test_trl_rows_are_skipped_for_losses_trl_trains_elsewhere(tmp_path, monkeypa
         pytest.param(["--prompt-len", "40", "--answer-len", "16"], "72 tokens, more than data.max_seq_len=64",
                      id="pair-too-long"),
         pytest.param(["--pairs", "0"], "must be at least 1", id="no-pairs"),
-        pytest.param(["--memory-cap", "8"], "--memory-cap: compares supervised fine-tuning steps", id="caps"),
     ],
 )
 def test_bad_pair_options_are_one_clear_error(tmp_path, no_peers, args, message):
@@ -161,3 +160,25 @@ def test_trl_row_runs_the_same_pairs_when_installed(tmp_path, monkeypatch):
     assert trl.pairs_per_s == pytest.approx(2 / (trl.step_ms * 1e-3))
     assert rows["TRL DPOTrainer + Liger"].status == "not installed"
     assert rows["TRL DPOTrainer + Liger"].detail == "liger-kernel: not installed"
+
+
+def test_preference_recipe_under_memory_caps_is_compared_in_pairs(tmp_path, no_peers, monkeypatch):
+    """--memory-cap on a DPO recipe: the TRL rows with checkpointing off and on, ligertune planned per
+    cap, and the choices in pairs/s (on the CPU no peak is measured: every row fits)."""
+    monkeypatch.setenv("COLUMNS", "200")
+    out = tmp_path / "caps.json"
+    result = run_cli(str(write(tmp_path)), "--steps", "1", "--warmup", "0", "--memory-cap", "4,8",
+                     "--json", str(out))
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    data = json.loads(out.read_text())
+    assert data["caps_gib"] == [4, 8] and data["pairs"]["pairs"] == 2
+    rows = [(r["name"], r["status"]) for r in data["rows"]]
+    assert rows == [("TRL DPOTrainer", "not installed"), ("TRL DPOTrainer + Liger", "not installed")] * 2 + [
+        ("ligertune", "ok")] * 2
+    ours = [c for c in data["choices"] if c["name"] == "ligertune"]
+    assert [c["cap_gib"] for c in ours] == [4, 8]
+    planned = [r for r in data["rows"] if r["name"] == "ligertune"]
+    for choice, row in zip(ours, planned):
+        assert choice["fits"] and choice["pairs_per_s"] == row["pairs_per_s"] > 0
+        assert row["checkpointing"].startswith("auto")
+    assert "under memory caps" in result.output and "pairs/s" in result.output

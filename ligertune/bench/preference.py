@@ -1,15 +1,17 @@
-"""`ligertune bench step` on a preference recipe (dpo, ipo, simpo, orpo): pairs per second.
+"""`ligertune bench step` on a preference recipe (dpo, ipo, simpo, orpo, kto): pairs (KTO: examples)
+per second.
 
 The synthetic data is `pairs` pairs of random tokens, each a prompt of `prompt_len` tokens and two
 answers of `answer_len` (`bench.synthetic.synthetic_pairs`; every answer token scored), the same
-pairs for every variant:
+pairs for every variant; for KTO, `pairs` examples, each a prompt, a completion and, as its
+mismatched completion, the next example's (`synthetic_kto`), desirable and undesirable in turn:
 
     ligertune                 the trainer's step: the recipe's model and run (`build_run`), the
                               pairs packed as the recipe packs them (prompt once, then the chosen
                               and the rejected answer: `pack_preferences`), micro-batches of
                               `train.micro_batch_size` packs, each step `train_step(run, batches)`.
-                              With `objective.reference: precomputed` (dpo and ipo's default) the
-                              reference pass of `train` (`compute_reference_logps`: one pack per
+                              With `objective.reference: precomputed` (dpo, ipo and kto's default)
+                              the reference pass of `train` (`compute_reference_logps`: one pack per
                               forward, no gradient) is timed on its own over the same pairs, and
                               its time is added to the step's: it serves each pair once, as the
                               step does. `live` scores the reference inside the step.
@@ -20,6 +22,8 @@ pairs for every variant:
                               reference: a frozen copy of the starting model (full fine-tuning)
                               or the adapters switched off (LoRA), scored in every step. Each pair
                               runs as two sequences, prompt + chosen and prompt + rejected.
+                              For kto, TRL's KTOTrainer the same way: each example runs as prompt +
+                              completion, and, for its KL estimate, prompt + mismatched completion.
     TRL DPOTrainer + Liger    the same with `use_liger_kernel` (Liger's RMSNorm, RoPE, SwiGLU; TRL
                               keeps its own chunked log-prob head)
 
@@ -55,7 +59,7 @@ from ligertune.bench.step import (
     _restored_module,
     checkpointing_of,
 )
-from ligertune.bench.synthetic import synthetic_pairs
+from ligertune.bench.synthetic import synthetic_kto, synthetic_pairs
 from ligertune.data import collate_preferences
 from ligertune.data.preference import PreferencePack, pack_preferences
 from ligertune.devices import synchronize
@@ -65,13 +69,15 @@ from ligertune.recipe import Recipe
 
 TRL = "TRL DPOTrainer"
 TRL_LIGER = "TRL DPOTrainer + Liger"
-TRL_LOSSES = {"dpo": "sigmoid", "ipo": "ipo"}
-"""The objectives TRL's DPOTrainer runs, and its `loss_type` for each."""
+TRL_KTO = "TRL KTOTrainer"
+TRL_KTO_LIGER = "TRL KTOTrainer + Liger"
+TRL_LOSSES = {"dpo": "sigmoid", "ipo": "ipo", "kto": "kto"}
+"""The objectives TRL's DPOTrainer (kto: KTOTrainer) runs, and its `loss_type` for each."""
 
 
 @dataclass(frozen=True)
 class PairShape:
-    """The synthetic pairs of one step."""
+    """The synthetic pairs (KTO: examples) of one step."""
 
     pairs: int
     prompt_len: int
@@ -79,22 +85,17 @@ class PairShape:
 
     @property
     def tokens(self) -> int:
-        """Tokens of one pair as ligertune lays it out: the prompt once, then both answers."""
+        """Tokens of one pair as ligertune lays it out: the prompt once, then both answers (KTO: the
+        completion and the mismatched one)."""
         return self.prompt_len + 2 * self.answer_len
 
 
 def check_pair_options(recipe: Recipe, config: StepBenchConfig) -> None:
-    """The pair options belong to preference recipes, and `bench step` times pairs, not KTO's examples."""
+    """The pair options belong to preference recipes."""
     given = [f"--{name.replace('_', '-')}" for name in ("pairs", "prompt_len", "answer_len")
              if getattr(config, name) is not None]
-    if not recipe.objective.preference:
-        if given:
-            raise UserError(f"{', '.join(given)}: these shape preference pairs; the recipe's objective is "
-                            "sft")
-        return
-    if recipe.objective.name == "kto":
-        raise UserError("objective.name: bench step times pairs (dpo, ipo, simpo, orpo); kto's examples are "
-                        "not synthesized yet")
+    if not recipe.objective.preference and given:
+        raise UserError(f"{', '.join(given)}: these shape preference pairs; the recipe's objective is sft")
 
 
 def pair_shape(recipe: Recipe, config: StepBenchConfig) -> PairShape:
@@ -119,15 +120,22 @@ def pair_shape(recipe: Recipe, config: StepBenchConfig) -> PairShape:
 
 def pair_flops(model, packs: list[PreferencePack], *, reference: bool) -> float:
     """The model flops of a step over `packs` (`ligertune.flops`: each segment's queries times its
-    keys for attention), plus the reference's forward over the same tokens when `reference`."""
+    keys for attention): the training forward and backward, KTO's forward without gradient over
+    the mismatched completions, and the reference's forward over all of it when `reference`."""
     from ligertune.training.step import squared_lengths
 
     batch = collate_preferences([dataclasses.replace(p, reference_logps=None) for p in packs])
-    tokens, pairs_sq = batch.num_tokens, squared_lengths(batch)
+    trained, mismatched = batch.kto_parts()
     f = StepFlops.of(model)
-    flops = f(tokens, pairs_sq)
+
+    def forward(part) -> float:  # 2 flops per weight and token, a third of the attention term
+        return 2.0 * f.matmul_params * part.num_tokens + 2.0 * f.layers * f.heads * f.head_dim * squared_lengths(part)
+
+    flops = f(trained.num_tokens, squared_lengths(trained))
+    scored = [trained] if mismatched is None else [trained, mismatched]
+    flops += sum(forward(part) for part in scored[1:])
     if reference:
-        flops += 2.0 * f.matmul_params * tokens + 2.0 * f.layers * f.heads * f.head_dim * pairs_sq
+        flops += sum(forward(part) for part in scored)
     return flops
 
 
@@ -144,7 +152,8 @@ class PreferenceStepBench(StepBench):
     def _pairs(self):
         shape = self.shape
         vocab = self.report.model["vocab_size"]
-        return synthetic_pairs(shape.pairs, shape.prompt_len, shape.answer_len, vocab, self.config.seed)
+        make = synthetic_kto if self.recipe.objective.name == "kto" else synthetic_pairs
+        return make(shape.pairs, shape.prompt_len, shape.answer_len, vocab, self.config.seed)
 
     def _packs(self) -> list[PreferencePack]:
         data = self.recipe.data
@@ -217,17 +226,26 @@ class PreferenceStepBench(StepBench):
 
     # ---- TRL
 
+    def _trl_micro_batch(self) -> int:
+        """TRL's pairs (KTO: examples) a micro-batch: the step's over `grad_accum_steps`."""
+        return math.ceil(self.shape.pairs / self.recipe.train.grad_accum_steps)
+
     def _peers(self) -> None:
         trl = find_peer("trl")
-        loss = TRL_LOSSES.get(self.recipe.objective.name)
-        for name, liger in ((TRL, False), (TRL_LIGER, True)):
+        objective = self.recipe.objective.name
+        loss = TRL_LOSSES.get(objective)
+        kto = objective == "kto"
+        for name, liger in ((TRL_KTO if kto else TRL, False), (TRL_KTO_LIGER if kto else TRL_LIGER, True)):
             name = self._peer_name(name)
             liger_peer = find_peer("liger") if liger else None
             if not trl.available:
                 status = "not installed" if trl.unavailable == NOT_INSTALLED else "failed"
                 self.report.rows.append(StepRow(name, "synthetic", status=status, detail=trl.unavailable))
             elif loss is None:
-                detail = f"TRL trains {self.recipe.objective.name} with another trainer"
+                detail = f"TRL trains {objective} with another trainer"
+                self.report.rows.append(StepRow(name, "synthetic", status="skipped", detail=detail))
+            elif kto and self._trl_micro_batch() < 2:
+                detail = "TRL's KTO estimates its KL term within a micro-batch: it needs 2 examples or more a micro-batch"
                 self.report.rows.append(StepRow(name, "synthetic", status="skipped", detail=detail))
             elif liger_peer is not None and not liger_peer.available:
                 status = "not installed" if liger_peer.unavailable == NOT_INSTALLED else "failed"
@@ -259,30 +277,41 @@ class PreferenceStepBench(StepBench):
             units = self._pairs()
             packs = self._packs()
             total = cfg.warmup + cfg.steps
-            columns = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": []}
+            kto = recipe.objective.name == "kto"
+            columns = ({"prompt_ids": [], "completion_ids": [], "KL_completion_ids": [], "label": []} if kto
+                       else {"prompt_ids": [], "chosen_ids": [], "rejected_ids": []})
             for unit in units * total:
-                (chosen_start, chosen_end), (rejected_start, rejected_end) = unit.answer_spans
+                (first_start, first_end), (second_start, second_end) = unit.answer_spans
+                first, second = unit.input_ids[first_start:first_end], unit.input_ids[second_start:second_end]
                 columns["prompt_ids"].append(unit.input_ids[:unit.prompt_len])
-                columns["chosen_ids"].append(unit.input_ids[chosen_start:chosen_end])
-                columns["rejected_ids"].append(unit.input_ids[rejected_start:rejected_end])
-            accum = recipe.train.grad_accum_steps
-            args = trl.DPOConfig(
+                if kto:  # the completion, and the mismatched one for the KL estimate
+                    columns["completion_ids"].append(first)
+                    columns["KL_completion_ids"].append(second)
+                    columns["label"].append(unit.desirable)
+                else:
+                    columns["chosen_ids"].append(first)
+                    columns["rejected_ids"].append(second)
+            objective = recipe.objective
+            common = dict(
                 output_dir=stack.enter_context(tempfile.TemporaryDirectory()),
-                per_device_train_batch_size=math.ceil(self.shape.pairs / accum),
-                gradient_accumulation_steps=accum,
+                per_device_train_batch_size=self._trl_micro_batch(),
+                gradient_accumulation_steps=recipe.train.grad_accum_steps,
                 max_steps=total, learning_rate=optim.lr, weight_decay=optim.weight_decay,
                 adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_epsilon=optim.eps,
                 optim="adamw_torch_fused" if self.device.type == "cuda" else "adamw_torch",
                 max_grad_norm=optim.max_grad_norm or 0.0, lr_scheduler_type="constant",
                 bf16=next(model.parameters()).dtype == torch.bfloat16, use_cpu=self.device.type == "cpu",
-                gradient_checkpointing=bool(recipe.train.gradient_checkpointing),
-                beta=recipe.objective.beta, loss_type=[loss],
-                label_smoothing=recipe.objective.label_smoothing,
+                gradient_checkpointing=bool(recipe.train.gradient_checkpointing), beta=objective.beta,
                 max_length=None, use_liger_kernel=liger, seed=recipe.train.seed, report_to="none",
                 save_strategy="no", logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
             )
+            if kto:
+                args = trl.KTOConfig(**common, loss_type=loss, desirable_weight=objective.desirable_weight,
+                                     undesirable_weight=objective.undesirable_weight)
+            else:
+                args = trl.DPOConfig(**common, loss_type=[loss], label_smoothing=objective.label_smoothing)
             clock = StepClock(self.device, cfg.warmup)
-            trainer = _pretokenized_trainer()(
+            trainer = _pretokenized(trl.KTOTrainer if kto else trl.DPOTrainer)(
                 model=model, ref_model=reference, args=args, callbacks=[clock],
                 train_dataset=datasets.Dataset.from_dict(columns),
                 processing_class=load_tokenizer(recipe.model),
@@ -331,13 +360,15 @@ class StepClock(TrainerCallback):
             self.times.append((time.perf_counter() - self.start) * 1e3)
 
 
-def _pretokenized_trainer():
-    """TRL's `DPOTrainer` taking the pairs as token ids (`prompt_ids`, `chosen_ids`, `rejected_ids`): its
-    preparation of text (prompt extraction, EOS, tokenization) is skipped; all else is TRL's."""
-    import trl
+def _pretokenized(trainer: type) -> type:
+    """TRL's `DPOTrainer` (or `KTOTrainer`) taking the data as token ids (`prompt_ids`, `chosen_ids`,
+    `rejected_ids`; KTO: `prompt_ids`, `completion_ids`, `KL_completion_ids`, `label`): its
+    preparation of text (prompt extraction, EOS, tokenization, KTO's mismatched completions) is
+    skipped; all else is TRL's."""
 
-    class PretokenizedDPOTrainer(trl.DPOTrainer):
+    class Pretokenized(trainer):
         def _prepare_dataset(self, dataset, *args, **kwargs):
             return dataset
 
-    return PretokenizedDPOTrainer
+    Pretokenized.__name__ = f"Pretokenized{trainer.__name__}"
+    return Pretokenized

@@ -200,8 +200,9 @@ def step_header(report) -> list[str]:
     if report.pairs:
         p = report.pairs
         packed = p["prompt_len"] + 2 * p["answer_len"]
-        lines.append(f"{p['objective']}: {p['pairs']} pairs a step, each a prompt of {p['prompt_len']} tokens "
-                     f"and two answers of {p['answer_len']} ({packed} tokens packed, the prompt once; "
+        answers = ("a completion and a mismatched completion" if p["objective"] == "kto" else "two answers")
+        lines.append(f"{p['objective']}: {p['pairs']} {rated(report)} a step, each a prompt of {p['prompt_len']} "
+                     f"tokens and {answers} of {p['answer_len']} ({packed} tokens packed, the prompt once; "
                      f"{2 * (p['prompt_len'] + p['answer_len'])} as two sequences)")
         lines.append(f"ligertune: {p['packs']} packs of at most {report.max_seq_len} tokens in "
                      f"{p['micro_batches']} micro-batches of {report.micro_batch_size}{ckpt}; "
@@ -226,19 +227,25 @@ def step_header(report) -> list[str]:
     return lines
 
 
+def rated(report) -> str:
+    """What a preference step's rate counts: pairs, or KTO's examples."""
+    return "examples" if report.pairs and report.pairs.get("objective") == "kto" else "pairs"
+
+
 def step_table(report) -> Table:
     """Synthetic rows (one step: forward, backward, optimizer) then chat rows (one pass over the
     micro-batches: forward and backward), each section compared with its ligertune row."""
     notes = [f"* {row.name}: {_status_text(row)}" for row in report.rows if row.status != "ok"]
     pairs = report.pairs is not None
-    title = ("preference step: pairs/s = pairs / (step ms + reference ms), the reference pass spread over "
-             "the pairs it serves" if pairs else "training step (chat rows: one pass over all micro-batches, "
+    unit = rated(report)
+    title = (f"preference step: {unit}/s = {unit} / (step ms + reference ms), the reference pass spread over "
+             f"the {unit} it serves" if pairs else "training step (chat rows: one pass over all micro-batches, "
              "real tokens only)")
     table = Table(title=title, title_justify="left", title_style="bold",
                   caption=_escape("\n".join(notes)) or None, caption_justify="left")
     table.add_column("variant", overflow="fold", min_width=14)
     table.add_column("checkpointing", no_wrap=True)
-    columns = ("ms", "ref ms", "pairs/s") if pairs else ("ms", "tokens/s")
+    columns = ("ms", "ref ms", f"{unit}/s") if pairs else ("ms", "tokens/s")
     for name in (*columns, "peak GiB", "MFU", "MFU matmul", "speed-up"):
         table.add_column(name, justify="right", no_wrap=True)
     layout = None
@@ -271,7 +278,7 @@ def cap_table(report) -> Table:
                   title_justify="left", title_style="bold")
     pairs = any(choice.pairs_per_s is not None for choice in report.choices)
     for name, justify in (("cap GiB", "right"), ("variant", "left"), ("checkpointing", "left"),
-                          ("pairs/s" if pairs else "tokens/s", "right"), ("peak GiB", "right"),
+                          (f"{rated(report.step)}/s" if pairs else "tokens/s", "right"), ("peak GiB", "right"),
                           ("ligertune vs", "right")):
         table.add_column(name, justify=justify, no_wrap=name != "variant")
     cap = None

@@ -6,6 +6,7 @@
     examples, packs = whole_micro_batches(examples, recipe.data, micro_batch_size)
     groups = padded_groups([len(e) for e in examples], budget)         # the same, right-padded
     units = synthetic_pairs(pairs, prompt_len, answer_len, vocab_size, seed)   # preference recipes
+    units = synthetic_kto(examples, prompt_len, answer_len, vocab_size, seed)  # kto
 
 No tokenizer and no file: the shapes are what a step's time depends on, not the words.
 """
@@ -20,7 +21,7 @@ import torch
 from ligertune.data import Batch, PaddedBatch, collate, collate_padded
 from ligertune.data.chat import IGNORE_INDEX, TokenizedExample
 from ligertune.data.packing import Pack, packs_of_one
-from ligertune.data.preference import PreferenceExample
+from ligertune.data.preference import KTOExample, PreferenceExample
 from ligertune.recipe import DataConfig, Recipe
 
 
@@ -87,6 +88,23 @@ def synthetic_pairs(pairs: int, prompt_len: int, answer_len: int, vocab_size: in
         labels = [IGNORE_INDEX] * prompt_len + ids[prompt_len:]
         units.append(PreferenceExample(input_ids=ids, labels=labels, prompt_len=prompt_len,
                                        answer_lens=(answer_len, answer_len), origin=f"synthetic:{i}"))
+    return units
+
+
+def synthetic_kto(examples: int, prompt_len: int, answer_len: int, vocab_size: int,
+                  seed: int) -> list[KTOExample]:
+    """`examples` KTO examples of random tokens, desirable and undesirable in turn: a prompt of
+    `prompt_len` tokens and a completion of `answer_len`, then as its mismatched completion the next
+    example's completion (the last takes the first's), every completion token scored."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, vocab_size, (prompt_len,), generator=gen).tolist() for _ in range(examples)]
+    completions = [torch.randint(0, vocab_size, (answer_len,), generator=gen).tolist() for _ in range(examples)]
+    units = []
+    for i, prompt in enumerate(prompts):
+        answers = completions[i] + completions[(i + 1) % examples]
+        units.append(KTOExample(input_ids=prompt + answers, labels=[IGNORE_INDEX] * prompt_len + answers,
+                                prompt_len=prompt_len, answer_lens=(answer_len, answer_len),
+                                desirable=i % 2 == 0, origin=f"synthetic:{i}"))
     return units
 
 

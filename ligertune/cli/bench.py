@@ -167,7 +167,7 @@ def step(
                                      show_default=False)
     ] = None,
     pairs: Annotated[
-        Optional[int], typer.Option("--pairs", help="Preference recipes: pairs a step (default: "
+        Optional[int], typer.Option("--pairs", help="Preference recipes: pairs (kto: examples) a step (default: "
                                     "micro_batch_size x grad_accum_steps).", show_default=False)
     ] = None,
     prompt_len: Annotated[
@@ -183,7 +183,8 @@ def step(
 
     The batch is synthetic (micro_batch_size x max_seq_len tokens); then chat conversations of mixed
     lengths run packed and padded (docs/bench.md says what every column means). A preference recipe
-    (dpo, ipo, simpo, orpo) runs synthetic pairs instead, in pairs/s, against TRL's DPOTrainer.
+    (dpo, ipo, simpo, orpo) runs synthetic pairs instead, in pairs/s, against TRL's DPOTrainer; kto
+    runs examples, in examples/s, against TRL's KTOTrainer.
 
     Example: [bold]ligertune bench step recipes/bench/llama-3.2-1b.yaml --steps 10 --json step.json[/]
     """

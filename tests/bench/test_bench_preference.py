@@ -13,7 +13,10 @@ from typer.testing import CliRunner
 from ligertune.bench import preference as bench_preference
 from ligertune.bench.peers import Peer
 from ligertune.bench.step import StepBenchConfig, run_step_bench
+from ligertune.bench.synthetic import synthetic_kto
 from ligertune.cli.bench import app
+from ligertune.flops import StepFlops
+from ligertune.models import build_model
 from ligertune.objectives import reference as objective_reference
 from ligertune.recipe import load_recipe
 from ligertune.training import step as training_step
@@ -182,3 +185,62 @@ def test_preference_recipe_under_memory_caps_is_compared_in_pairs(tmp_path, no_p
         assert choice["fits"] and choice["pairs_per_s"] == row["pairs_per_s"] > 0
         assert row["checkpointing"].startswith("auto")
     assert "under memory caps" in result.output and "pairs/s" in result.output
+
+
+def test_kto_recipe_is_timed_in_examples_with_its_kl_pass_counted(tmp_path, no_peers, monkeypatch):
+    """A KTO recipe: synthetic examples (prompt, completion, the next one's completion as the
+    mismatched one), desirable and undesirable in turn, in examples/s; the flops count the training
+    forward and backward over prompt + completion, the forward over prompt + mismatched completion
+    and the reference's forward over both."""
+    monkeypatch.setenv("COLUMNS", "200")
+    path = tmp_path / "kto.yaml"
+    path.write_text(RECIPE.replace("name: dpo", "name: kto"))
+    out = tmp_path / "kto.json"
+    result = run_cli(str(path), "--steps", "1", "--warmup", "0", "--pairs", "4", "--json", str(out))
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    data = json.loads(out.read_text())
+    assert data["pairs"] == {"objective": "kto", "pairs": 4, "prompt_len": 32, "answer_len": 16, "packs": 4,
+                             "micro_batches": 2}
+    rows = {row["name"]: row for row in data["rows"]}
+    assert list(rows) == ["ligertune", "TRL KTOTrainer", "TRL KTOTrainer + Liger"]
+    ours = rows["ligertune"]
+    assert ours["status"] == "ok" and ours["pairs"] == 4 and ours["tokens"] == 4 * 64
+    assert ours["reference_ms"] > 0 and ours["pairs_per_s"] == pytest.approx(
+        4 / ((ours["step_ms"] + ours["reference_ms"]) * 1e-3))
+    f = StepFlops.of(build_model(load_recipe(path).model, device="cpu", vocab_size=311))
+    trained, mismatched = 4 * 48, 4 * 48  # prompt + one completion, each one causal segment
+
+    def forward(tokens: int) -> float:
+        return 2.0 * f.matmul_params * tokens + 2.0 * f.layers * f.heads * f.head_dim * 48 * tokens
+
+    assert ours["flops"] == pytest.approx(f(trained, 48 * trained) + forward(mismatched) + forward(trained)
+                                          + forward(mismatched))
+    assert "4 examples a step, each a prompt of 32 tokens and a completion and a mismatched completion of 16" in (
+        result.output)
+    assert "examples/s" in result.output
+
+
+def test_synthetic_kto_examples_take_the_next_ones_completion():
+    units = synthetic_kto(3, 4, 2, 50, seed=1)
+    completions = [u.input_ids[4:6] for u in units]
+    assert [u.input_ids[6:] for u in units] == [completions[1], completions[2], completions[0]]
+    assert [u.desirable for u in units] == [True, False, True]
+    assert all(u.answer_lens == (2, 2) and u.scored_tokens() == [2, 2] for u in units)
+
+
+def test_trl_kto_row_runs_the_same_examples_when_installed(tmp_path, monkeypatch):
+    """TRL's KTOTrainer on the same model and examples (CPU, float32), the mismatched completions ours."""
+    pytest.importorskip("trl")
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)
+    path = tmp_path / "kto.yaml"
+    path.write_text(RECIPE.replace("name: dpo", "name: kto"))
+    config = StepBenchConfig(steps=2, warmup=1, measure_matmul=False, pairs=4)
+    report = run_step_bench(load_recipe(path), config)
+    rows = {row.name: row for row in report.rows}
+    trl = rows["TRL KTOTrainer"]
+    assert trl.status == "ok", trl.detail
+    assert trl.steps == 2 and trl.pairs == 4 and trl.reference == "frozen copy, in the step"
+    assert trl.tokens == rows["ligertune"].tokens and trl.flops == rows["ligertune"].flops
+    path.write_text(RECIPE.replace("name: dpo", "name: kto").replace("seed: 3", "seed: 3\n  grad_accum_steps: 4"))
+    one = run_step_bench(load_recipe(path), config)  # 1 example a micro-batch: TRL's KL has nothing to pair
+    assert {row.name: row for row in one.rows}["TRL KTOTrainer"].status == "skipped"

@@ -207,6 +207,9 @@ def step_header(report) -> list[str]:
         lines.append(f"ligertune: {p['packs']} packs of at most {report.max_seq_len} tokens in "
                      f"{p['micro_batches']} micro-batches of {report.micro_batch_size}{ckpt}; "
                      f"{report.warmup} warm-up + {report.steps} timed steps")
+    elif report.context:
+        lines.append(f"batch: one conversation a step, from {report.max_seq_len:,} tokens up to "
+                     f"{report.context['limit']:,}{ckpt}; {report.warmup} warm-up + {report.steps} timed steps")
     else:
         lines.append(f"batch: {report.micro_batch_size} x {report.max_seq_len} tokens{ckpt}; "
                      f"{report.warmup} warm-up + {report.steps} timed steps")
@@ -297,6 +300,32 @@ def cap_table(report) -> Table:
         table.add_row(fmt(choice.cap_gib, "g"), name, setting, rate,
                       fmt(choice.peak_mem_gib, ".2f"), fmt(choice.vs_ligertune, ".2f", "x"))
     return table
+
+
+def context_table(report) -> Table:
+    """`bench step --max-context`: every probe, shortest first, and the longest that trained."""
+    longest = report.context["longest"]
+    table = Table(title="one conversation a step", title_justify="left", title_style="bold")
+    for name in ("tokens", "trains", "ms", "tokens/s", "peak GiB", "MFU", "checkpointing"):
+        table.add_column(name, justify="left" if name in ("trains", "checkpointing") else "right",
+                         no_wrap=name != "checkpointing")
+    for row in sorted((r for r in report.rows if r.layout == "context"), key=lambda r: r.tokens):
+        trains = "yes" if row.status == "ok" else f"[red]{_escape(row.detail or row.status)}[/]"
+        tokens = f"[bold]{row.tokens:,}[/]" if row.tokens == longest else f"{row.tokens:,}"
+        table.add_row(tokens, trains, fmt(row.step_ms, ".4g"), fmt(row.tokens_per_s, ",.0f"),
+                      fmt(row.peak_mem_gib, ".2f"), fmt(None if row.mfu is None else 100 * row.mfu, ".1f", "%"),
+                      _escape(row.checkpointing or "-"))
+    return table
+
+
+def context_summary(report) -> str:
+    """The line under `context_table`: the longest length that trained, its speed and peak."""
+    context = report.context
+    if context["longest"] is None:
+        return f"no length up to {context['limit']:,} tokens trained"
+    peak = f", peak {context['peak_mem_gib']:.2f} GiB" if context["peak_mem_gib"] is not None else ""
+    return (f"the longest that trained: {context['longest']:,} tokens (searched up to {context['limit']:,}), "
+            f"{context['tokens_per_s']:,.0f} tokens/s{peak}")
 
 
 def plot_frontier(report, path: Path) -> None:

@@ -6,6 +6,8 @@ a row, of either bench, failed.
     bench step         StepReport of StepRow: one way of running a recipe's training step
     bench step --memory-cap
                        CapReport: the StepReport, and a CapChoice per variant and cap
+    bench step --max-context
+                       StepReport whose rows are the probes (layout "context") and `context`
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ class StepRow:
     """
 
     name: str
-    layout: str  # "synthetic" or "chat"
+    layout: str  # "synthetic", "chat" or "context" (a `--max-context` probe)
     status: str = "ok"  # "ok", "not installed", "skipped", "failed"
     detail: str | None = None
     steps: int = 0
@@ -155,6 +157,9 @@ class StepReport:
     pairs: dict[str, Any] | None = None
     """A preference recipe's synthetic pairs: `objective`, `pairs` per step, `prompt_len`,
     `answer_len`, `packs`, `micro_batches` (None for other objectives)."""
+    context: dict[str, Any] | None = None
+    """`bench step --max-context`: the `limit`, the `longest` single conversation that trained
+    (None: none did), and its `tokens_per_s` and `peak_mem_gib`."""
 
     def to_dict(self) -> dict[str, Any]:
         data = {k: v for k, v in dataclasses.asdict(self).items() if k != "rows"}

@@ -166,6 +166,11 @@ def step(
         Optional[Path], typer.Option("--plot", help="With --memory-cap: draw tokens/s against peak memory to this PNG.",
                                      show_default=False)
     ] = None,
+    max_context: Annotated[
+        Optional[int], typer.Option("--max-context", metavar="LIMIT", min=1, show_default=False,
+                                    help="Find the longest single conversation (up to LIMIT tokens) whose step "
+                                         "trains, from data.max_seq_len up, and its tokens/s there.")
+    ] = None,
     pairs: Annotated[
         Optional[int], typer.Option("--pairs", help="Preference recipes: pairs (kto: examples) a step (default: "
                                     "micro_batch_size x grad_accum_steps).", show_default=False)
@@ -189,8 +194,11 @@ def step(
     Example: [bold]ligertune bench step recipes/bench/llama-3.2-1b.yaml --steps 10 --json step.json[/]
     """
     from ligertune.bench.caps import run_memory_caps
+    from ligertune.bench.context import run_max_context
     from ligertune.bench.report import (
         cap_table,
+        context_summary,
+        context_table,
         plot_frontier,
         require_matplotlib,
         step_header,
@@ -211,6 +219,8 @@ def step(
         if caps is None:
             raise UserError("--plot: draws the memory frontier, so it needs --memory-cap")
         require_matplotlib()
+    if max_context is not None and caps is not None:
+        raise UserError("--max-context and --memory-cap: one search at a time")
     loaded = load_recipe(recipe, list(set_ or []))
     config = StepBenchConfig(steps=steps, warmup=warmup, chat=chat, peers=peers, peak_tflops=peak_tflops,
                              pairs=pairs, prompt_len=prompt_len, answer_len=answer_len)
@@ -220,11 +230,17 @@ def step(
     if caps is not None:
         capped = run_memory_caps(loaded, config, caps, recipe_name=str(recipe), log=log)
         report = capped.step
+    elif max_context is not None:
+        report = run_max_context(loaded, config, max_context, recipe_name=str(recipe), log=log)
     else:
         report = run_step_bench(loaded, config, recipe_name=str(recipe), log=log)
     for line in step_header(report):
         console.print(line, highlight=False)
-    console.print(step_table(report))
+    if max_context is not None:
+        console.print(context_table(report))
+        console.print(context_summary(report), highlight=False)
+    else:
+        console.print(step_table(report))
     if caps is not None:
         console.print(cap_table(capped))
     if json_file is not None:

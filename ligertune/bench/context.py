@@ -23,7 +23,7 @@ import dataclasses
 from typing import Callable
 
 from ligertune.bench.results import StepReport, StepRow
-from ligertune.bench.step import LIGERTUNE, StepBench, StepBenchConfig, compare, new_report, tokenizer_vocab
+from ligertune.bench.step import StepBench, StepBenchConfig, compare, new_report, tokenizer_vocab
 from ligertune.errors import UserError
 from ligertune.recipe import Recipe
 

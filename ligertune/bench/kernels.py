@@ -20,6 +20,7 @@ same run (`copy_gbps`), the most a streaming kernel reaches in practice.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -217,7 +218,7 @@ def _run_problem(problem, label, peers, device, ref_dtype, repeats, warmup, use_
             work = _fresh_copy(problem) if problem.copy_inputs else problem
             row.timing = measure(
                 _step(work, run, impl.manual), device=device, warmup=warmup, repeats=repeats,
-                flush_l2=flush_l2, before_each=lambda: _drop_grads(work),
+                flush_l2=flush_l2, before_each=functools.partial(_drop_grads, work),
             )
             del work
             if impl.manual:

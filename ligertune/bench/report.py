@@ -306,15 +306,15 @@ def context_table(report) -> Table:
     """`bench step --max-context`: every probe, shortest first, and the longest that trained."""
     longest = report.context["longest"]
     table = Table(title="one conversation a step", title_justify="left", title_style="bold")
-    for name in ("tokens", "trains", "ms", "tokens/s", "peak GiB", "MFU", "checkpointing"):
+    for name in ("tokens", "trains", "ms", "tokens/s", "peak GiB", "reserved GiB", "MFU", "checkpointing"):
         table.add_column(name, justify="left" if name in ("trains", "checkpointing") else "right",
                          no_wrap=name != "checkpointing")
     for row in sorted((r for r in report.rows if r.layout == "context"), key=lambda r: r.tokens):
         trains = "yes" if row.status == "ok" else f"[red]{_escape(row.detail or row.status)}[/]"
         tokens = f"[bold]{row.tokens:,}[/]" if row.tokens == longest else f"{row.tokens:,}"
         table.add_row(tokens, trains, fmt(row.step_ms, ".4g"), fmt(row.tokens_per_s, ",.0f"),
-                      fmt(row.peak_mem_gib, ".2f"), fmt(None if row.mfu is None else 100 * row.mfu, ".1f", "%"),
-                      _escape(row.checkpointing or "-"))
+                      fmt(row.peak_mem_gib, ".2f"), fmt(row.peak_reserved_gib, ".2f"),
+                      fmt(None if row.mfu is None else 100 * row.mfu, ".1f", "%"), _escape(row.checkpointing or "-"))
     return table
 
 

@@ -119,6 +119,7 @@ class StepRow:
     step_ms: float | None = None
     tokens_per_s: float | None = None
     peak_mem_gib: float | None = None
+    peak_reserved_gib: float | None = None  # the allocator's reserved peak: what it took from the device
     flops: float | None = None
     mfu: float | None = None
     mfu_measured: float | None = None

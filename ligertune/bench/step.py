@@ -402,10 +402,12 @@ class StepBench:
             synchronize(self.device)
             times.append((time.perf_counter() - start) * 1e3)
         ms = statistics.median(times)
-        peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
+        cuda = self.device.type == "cuda"
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if cuda else None
+        reserved = torch.cuda.max_memory_reserved(self.device) / 2**30 if cuda else None
         return StepRow(
             name, layout, steps=cfg.steps * (len(steps) if per_pass else 1), tokens=tokens, step_ms=ms,
-            tokens_per_s=tokens / (ms * 1e-3), peak_mem_gib=peak,
+            tokens_per_s=tokens / (ms * 1e-3), peak_mem_gib=peak, peak_reserved_gib=reserved,
             flops=flops if flops is not None else StepFlops.of(model)(tokens, sum(n * n for n in seq_lens)),
         )
 

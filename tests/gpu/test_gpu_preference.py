@@ -29,6 +29,7 @@ from ligertune.data.preference import make_preference_pack
 from ligertune.models import CausalLMLoss, build_model
 from ligertune.models import attention as attention_module
 from ligertune.numerics import relative_error
+from ligertune.objectives.reference import score_as_the_step_does
 from ligertune.recipe import ModelConfig
 
 pytestmark = pytest.mark.gpu
@@ -50,6 +51,7 @@ FLOOR = 5e-5
 # of one micro-batch (unit indices)
 PAIRS = [(301, 120, 75), (57, 700, 13), (1200, 33, 250), (5, 1, 64), (640, 211, 211)]
 KTO = [(301, 120), (57, 700), (1200, 250), (5, 1)]
+KTO_MISMATCHED = [(301, 120, 75), (57, 700, 13), (1200, 33, 250), (5, 1, 64)]  # completion, mismatched
 CASES = {
     "pairs-3+2": (PAIRS, False, [[0, 1, 2], [3, 4]]),
     "pairs-1+1+1+1+1": (PAIRS, False, [[4], [3], [2], [1], [0]]),
@@ -166,6 +168,22 @@ def test_packed_answers_score_as_each_conversation_alone(family, case, monkeypat
                 failures.append(f"{path} {what}: error {error:.2e} over {limit:.2e} "
                                 f"(the bf16 oracle's {yardstick:.2e})")
     assert not failures, "; ".join(failures)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@torch.no_grad()
+def test_kto_parts_score_as_each_conversation_alone(family):
+    """KTO's two passes on the GPU: each unit as its prompt and completion, and as its prompt and
+    mismatched completion (`kto_parts`, indices made on the host and gathered on the device), give
+    every answer's sum as that conversation run alone, within the rule above."""
+    units = make_units(KTO_MISMATCHED, kto=True)
+    groups = [[0, 2], [1, 3]]
+    batch = collate_preferences([make_preference_pack(units, g) for g in groups]).to("cuda")
+    packed, alone, precise = models(family)
+    want = alone_sums(precise, units, groups).float()
+    limit = max(FLOOR, 2.0 * relative_error(alone_sums(alone, units, groups).float(), want))
+    got = score_as_the_step_does(CausalLMLoss(packed), batch)
+    assert relative_error(got, want) <= limit
 
 
 @torch.no_grad()

@@ -7,7 +7,12 @@ file correspond to which kernel; `patch_model` applies any row of it and `unpatc
   `ligertune.kernels.rms_norm(x, weight, eps, offset)` (offset 1 for Gemma's `(1 + w)` scaling).
 - SwiGLU: every gated MLP gets an instance-level `forward`,
   `down_proj(swiglu(gate_proj(x), up_proj(x)))`, only when its activation is SiLU (Gemma's GeGLU
-  MLPs are left alone).
+  MLPs are left alone). With `mlp_chunk_tokens` the MLP runs over chunks of that many tokens, each
+  chunk recomputed in backward (non-reentrant checkpointing): what autograd keeps of the MLP is
+  its input, not the three [tokens, intermediate_size] products (gate, up, their SwiGLU), and what
+  runs at once is one chunk's. At long context those products are a decoder layer's largest
+  tensors (at 131,072 tokens of Llama-3.1-8B, 3.5 GiB each); the price is one more forward of the
+  MLP in backward.
 - RoPE: the attention modules call their modeling file's module-level `apply_rotary_pos_emb`, so
   that function is replaced in the modeling module by a redirect to `ligertune.kernels.apply_rope`.
   This one is per family, not per model: while any patched model of a family is alive, every model
@@ -31,6 +36,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ligertune import kernels
 from ligertune.models.unwrap import unwrap_model
@@ -114,9 +120,11 @@ class PatchReport:
 
 
 def patch_model(
-    model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = True
+    model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = True,
+    mlp_chunk_tokens: int | None = None,
 ) -> PatchReport:
-    """Route the model's RMSNorm, RoPE and SwiGLU through ligertune's kernels; see the module docstring.
+    """Route the model's RMSNorm, RoPE and SwiGLU through ligertune's kernels; see the module docstring
+    (`mlp_chunk_tokens`: the SwiGLU MLPs over chunks of that many tokens, each recomputed in backward).
 
     `model` may be a peft wrapper: its base model is patched (adapters stay in place). A model type
     missing from `PATCH_TABLE` gets a warning and runs unpatched. Patching twice is harmless.
@@ -147,8 +155,10 @@ def patch_model(
             mlp_class = getattr(modeling, spec.mlp)
             for module in base.modules():
                 if isinstance(module, mlp_class):
-                    _set_forward(module, _swiglu_forward)
+                    _set_forward(module, _swiglu_forward, chunk_tokens=mlp_chunk_tokens)
                     report.swiglu += 1
+            if mlp_chunk_tokens is not None and report.swiglu:
+                report.notes.append(f"MLPs in chunks of {mlp_chunk_tokens} tokens")
         else:
             report.notes.append(f"swiglu: not applied, the MLP activation is {activation}, not SiLU")
 
@@ -202,7 +212,34 @@ def _rms_norm_forward(module: nn.Module, x: torch.Tensor, *, eps_attr: str, offs
     return kernels.rms_norm(x, module.weight, getattr(module, eps_attr), offset)
 
 
-def _swiglu_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _swiglu_forward(module: nn.Module, x: torch.Tensor, *, chunk_tokens: int | None = None) -> torch.Tensor:
+    tokens = x.shape[:-1].numel()
+    if chunk_tokens is None or tokens <= chunk_tokens:
+        return _swiglu(module, x)
+    if torch.is_grad_enabled():
+        chunks = _KeptForRecompute.apply(x.reshape(tokens, x.shape[-1])).split(chunk_tokens)
+        outputs = [checkpoint(_swiglu, module, chunk, use_reentrant=False) for chunk in chunks]
+    else:
+        outputs = [_swiglu(module, chunk) for chunk in x.reshape(tokens, x.shape[-1]).split(chunk_tokens)]
+    return torch.cat(outputs).reshape(*x.shape[:-1], -1)
+
+
+class _KeptForRecompute(torch.autograd.Function):
+    """The identity, saving its input: the chunks' recomputation keeps the MLP's input until backward
+    (held by the checkpoints, where autograd's saved-tensor hooks do not see it), and saving it here
+    says so to what counts those hooks (the memory planner's `SavedBytes`). No memory of its own."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _swiglu(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # gate and up exist for this product alone: their memory can take their gradients.
     return module.down_proj(kernels.swiglu(module.gate_proj(x), module.up_proj(x), reuse_inputs=True))
 

@@ -180,6 +180,13 @@ class KernelsConfig:
         True, "Output projection + cross-entropy fused: the [tokens, vocab] logits are never stored."
     )
     loss_chunk_mib: int = _field(1024, "Memory budget of the fused loss for its chunk of logits, in MiB.")
+    mlp_chunk_tokens: int | None = _field(
+        None,
+        "With `swiglu`: run each MLP over chunks of this many tokens, each chunk recomputed in backward, "
+        "so that its [tokens, intermediate_size] products are one chunk's at a time, never kept (for "
+        "long conversations, where they are a layer's largest tensors; docs/memory.md). Costs one more "
+        "forward of the MLP. null: the MLP runs whole.",
+    )
     lora: bool = _field(
         True,
         "With `lora`: the LoRA layers compute peft's values without its per-layer overhead: one GEMM "
@@ -193,9 +200,15 @@ class KernelsConfig:
     )
 
     def check(self) -> list[tuple[str, str]]:
+        problems = []
         if self.loss_chunk_mib < 1:
-            return [("loss_chunk_mib", f"must be >= 1, got {self.loss_chunk_mib}")]
-        return []
+            problems.append(("loss_chunk_mib", f"must be >= 1, got {self.loss_chunk_mib}"))
+        if self.mlp_chunk_tokens is not None:
+            if self.mlp_chunk_tokens < 1:
+                problems.append(("mlp_chunk_tokens", f"must be >= 1 or null, got {self.mlp_chunk_tokens}"))
+            elif not self.swiglu:
+                problems.append(("mlp_chunk_tokens", "chunks the SwiGLU kernel's MLPs: needs `swiglu: true`"))
+        return problems
 
 
 SFT_FORMATS = ("messages", "sharegpt", "prompt_completion")
@@ -853,6 +866,9 @@ class Recipe:
             if self.model.dtype not in ("auto", "bfloat16"):
                 problems.append(("train.precision", f"fp8 runs over bf16 weights; model.dtype is "
                                  f"{self.model.dtype}: use bfloat16 (or auto)"))
+            if self.kernels.mlp_chunk_tokens is not None:
+                problems.append(("kernels.mlp_chunk_tokens", "not with train.precision: fp8 (each decoder "
+                                 "layer is one compiled region there): drop one of the two"))
         if self.model.quantization is not None and self.lora is None:
             problems.append(("model.quantization", f"a quantized base ({self.model.quantization}) is frozen: "
                              "train LoRA adapters over it (add a `lora` section, e.g. `--set lora.r=16`)"))

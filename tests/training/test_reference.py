@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_preference_training import train_losses, write_preference_recipe
+from test_preference_training import train_losses, unpaired_records, write_preference_recipe
 from test_resume import finish, start
 
 from ligertune.objectives import reference
@@ -72,12 +72,16 @@ def test_the_key_follows_a_model_folders_files(tmp_path: Path):
     assert reference.model_identity(Model, seed=0) is None  # not a folder, not in the hub cache
 
 
-@pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora"])
-def test_live_reference_trains_as_the_precomputed_one(tmp_path: Path, lora):
+@pytest.mark.parametrize("lora, kto", [(None, False), (LORA, False), (None, True)], ids=["full", "lora", "kto"])
+def test_live_reference_trains_as_the_precomputed_one(tmp_path: Path, lora, kto):
     """Scored at each micro-batch by a frozen copy (full fine-tuning) or with the adapters off
-    (LoRA), the reference gives the same losses as the one computed before the first step; nothing
-    is scored or written before the first step."""
+    (LoRA), the reference gives the same losses as the one computed before the first step (KTO:
+    for its completions and for its mismatched completions, each in their own pass); nothing is
+    scored or written before the first step."""
     sections = {"lora": lora} if lora else {}
+    if kto:
+        sections |= {"make_records": unpaired_records, "objective": {"name": "kto"},
+                     "data": {"format": "unpaired"}}
     path = write_preference_recipe(tmp_path, optim={"lr": 1e-2}, **sections)
     finish(start(path, f"output.dir={tmp_path / 'precomputed'}"))
     run = start(path, f"output.dir={tmp_path / 'live'}", "objective.reference=live")

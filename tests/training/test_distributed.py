@@ -68,6 +68,7 @@ def test_split_packs_gives_each_rank_as_many_packs_with_balanced_tokens():
     pytest.param(["distributed.strategy=ddp"], 2, id="full-ddp"),
     pytest.param(["distributed.strategy=ddp"], 4, id="full-ddp-accumulating"),
     pytest.param(["lora.r=4", "lora.alpha=8"], 2, id="lora-fsdp"),
+    pytest.param(["kernels.mlp_chunk_tokens=16", "train.gradient_checkpointing=true"], 2, id="mlp-chunks-fsdp"),
 ])
 def test_two_processes_give_the_loss_and_gradients_of_one(tmp_path: Path, setting: list[str], accumulation: int):
     """1 process x accumulation A == 2 processes x A/2, for every normalization (z-loss and label

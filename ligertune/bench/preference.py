@@ -129,13 +129,14 @@ def pair_flops(model, packs: list[PreferencePack], *, reference: bool) -> float:
     f = StepFlops.of(model)
 
     def forward(part) -> float:  # 2 flops per weight and token, a third of the attention term
-        return 2.0 * f.matmul_params * part.num_tokens + 2.0 * f.layers * f.heads * f.head_dim * squared_lengths(part)
+        attention = f.layers * f.heads * f.head_dim * squared_lengths(part)
+        return 2.0 * f.matmul_params * part.num_tokens + 2.0 * attention
 
     flops = f(trained.num_tokens, squared_lengths(trained))
-    scored = [trained] if mismatched is None else [trained, mismatched]
-    flops += sum(forward(part) for part in scored[1:])
+    if mismatched is not None:  # KTO's pass over its mismatched completions
+        flops += forward(mismatched)
     if reference:
-        flops += sum(forward(part) for part in scored)
+        flops += forward(trained) + (forward(mismatched) if mismatched is not None else 0.0)
     return flops
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from ligertune.bench.preference import check_pair_options
 from ligertune.bench.results import StepReport, StepRow
 from ligertune.bench.step import StepBench, StepBenchConfig, compare, new_report, tokenizer_vocab
 from ligertune.errors import UserError
@@ -39,6 +40,7 @@ def run_max_context(recipe: Recipe, config: StepBenchConfig, limit: int, *, reci
     if recipe.objective.name != "sft":
         raise UserError(f"--max-context: probes supervised fine-tuning steps; the recipe's objective is "
                         f"{recipe.objective.name}")
+    check_pair_options(recipe, config)  # none of them here
     start = recipe.data.max_seq_len
     if limit < start:
         raise UserError(f"--max-context {limit}: below data.max_seq_len={start}, where the search starts")

@@ -120,3 +120,39 @@ def test_packed_conversations_equal_one_by_one(dtype, loss_tol, grad_tol):
                     loss_and_grads(model, losses(head, single, with_boundaries=False)), loss_tol, grad_tol)
     finally:
         unpatch_model(model)
+
+
+def test_mlps_in_chunks_keep_the_loss_and_lower_the_peak():
+    """`kernels.mlp_chunk_tokens` on CUDA (the Triton SwiGLU inside each chunk's checkpoint): one
+    16,384-token conversation through a bf16 model whose MLPs are wide (8,192), every layer
+    recomputed, gives the whole MLPs' loss and gradients within the bf16 rule, and the step peaks
+    lower by at least two of the [tokens, intermediate_size] products that a recomputed layer no
+    longer holds at once (chunks of 2,048: an eighth of them)."""
+    tokens, wide = 16_384, {**SMALL_LLAMA, "intermediate_size": 8192, "max_position_embeddings": 16_384}
+    batch = collate(pack(conversations([tokens], seed=2), tokens)).to("cuda")
+    weights = (batch.targets != -100).float() / (batch.targets != -100).sum()
+    results, peaks = {}, {}
+    for chunk in (None, 2048):
+        model = build_model(ModelConfig(config=dict(wide), attention="packed"), device="cuda",
+                            dtype=torch.bfloat16, seed=0).train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        patch_model(model, mlp_chunk_tokens=chunk)
+        head = CausalLMLoss(model, fused=True)
+
+        def loss(head=head):
+            return head(batch.input_ids, batch.position_ids, batch.targets, weights,
+                        cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen)
+
+        loss_and_grads(model, [loss])  # warm-up: the kernels compiled
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        results[chunk] = loss_and_grads(model, [loss])
+        peaks[chunk] = torch.cuda.max_memory_allocated() - before
+        unpatch_model(model)
+        del model, head
+    assert_same(results[2048], results[None], 1e-2, 5e-2)
+    product = tokens * wide["intermediate_size"] * 2  # bytes of one bf16 product
+    print(f"\nstep peak above the model: whole MLPs {peaks[None] / 2**20:.0f} MiB, "
+          f"in chunks of 2,048 {peaks[2048] / 2**20:.0f} MiB (one product {product / 2**20:.0f} MiB)")
+    assert peaks[None] - peaks[2048] >= 2 * product

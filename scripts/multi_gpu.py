@@ -17,10 +17,11 @@ Three parts (`--parts`, all by default), each made of `ligertune` commands run a
    evaluation, no checkpoint. `train.max_steps` fixes the number of steps: the pack stream runs on
    into further epochs of the bundled data. A run's rate is the median `tokens_per_s` of its steps
    after the first `skip`; the trainer sums the real tokens of every process over the step's wall
-   clock, so the rate is the whole job's and scaling efficiency = rate(N) / (N rate(1)). One
-   process steps the recipe's bf16 weights in place (`optim.master_weights: false`); N processes
-   shard float32 weights with FSDP2 and compute in bf16, so the efficiency counts that change of
-   precision as well as the communication.
+   clock, so the rate is the whole job's and scaling efficiency = rate(N) / (N rate(1)). Every
+   run steps float32 weights and computes in bf16 (`EQUAL_PRECISION`): one process through the
+   float32 master copies of its bf16 weights (`optim.master_weights: true`, where the recipe says
+   false), N processes through FSDP2's float32 shards, so the efficiency counts what N processes
+   cost, not a change of precision.
 3. fsdp: Llama-3.1-8B shapes trained in full (the LoRA bench recipe with `--set lora=null`) with
    AdamW, FSDP2 over every GPU: 16 bytes a parameter (float32 weights, gradients, two moments),
    128 GB, more than one GPU holds. One run of `--fsdp-steps` steps gives tokens/s, MFU and peak
@@ -67,6 +68,9 @@ SAMPLES = 8  # verify-loss's default step: 8 conversations
 # A metrics record every step, no evaluation (the bench recipes hold no held-out data; said anyway),
 # no checkpoint.
 MEASURE = ("train.log_every=1", "train.eval_every=null", "train.eval_at_start=false", "train.save_every=null")
+# The scaling runs' weights stepped in float32 whatever the number of processes: one process through
+# master copies of its bf16 weights, FSDP2 through its float32 shards (where the setting changes nothing).
+EQUAL_PRECISION = ("optim.master_weights=true",)
 # The 8B bench recipe's shapes and batch (2 x 4096 a device), every weight trained, at the 1B
 # recipe's full fine-tuning learning rate; FSDP2 (also the default) said outright.
 FULL_FINE_TUNING = ("lora=null", "optim.lr=2e-5", "distributed.strategy=fsdp")
@@ -256,7 +260,8 @@ def scaling_part(plan: Plan, commands: Commands) -> dict:
     runs = []
     for n in plan.scaling_processes():
         run_dir = commands.work / f"scaling-{n}"
-        outcome = commands.run(train_args(SMALL, n, run_dir, plan.steps, [*plan.common, *MEASURE]), f"scaling-{n}")
+        outcome = commands.run(train_args(SMALL, n, run_dir, plan.steps, [*plan.common, *MEASURE, *EQUAL_PRECISION]),
+                               f"scaling-{n}")
         records = training_records(run_dir)
         drop_models(run_dir)
         runs.append({"processes": n, **outcome.to_json(), "steps": len(records),

@@ -70,6 +70,7 @@ def test_tiny_mode_takes_every_figure_on_two_gloo_processes(tmp_path: Path):
         assert run["tokens_per_s"] == pytest.approx(rates[n], rel=1e-12)
         assert run["mfu"] is None and run["peak_mem_gib"] is None  # CUDA figures: n/a on a CPU
         assert not (work / f"scaling-{n}" / "final").exists()  # models removed, metrics kept
+        assert "optim.master_weights=true" in run["command"]  # float32 weights stepped at every N
     assert sorted(rates) == [1, 2]
     assert report["scaling"]["runs"][1]["efficiency"] == pytest.approx(rates[2] / (2 * rates[1]), rel=1e-12)
 

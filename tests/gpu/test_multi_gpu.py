@@ -1,7 +1,7 @@
 """Several GPUs through NCCL, driven as a user drives them (`ligertune ... --nproc N`): verify-loss
 passes with the step of Llama-3.2-1B shapes in bf16 dealt to N GPUs; 2 GPUs train as one GPU with
-twice the accumulation; a checkpoint of 2 GPUs resumes where the run went; the 1B bench recipe trains
-sharded over 2 GPUs, with every figure the trainer reports.
+twice the accumulation; a checkpoint of 2 GPUs resumes where the run went, DPO's and Medusa's too; the
+1B bench recipe trains sharded over 2 GPUs, with every figure the trainer reports.
 
 Skipped, with the reason, on fewer GPUs than a test needs. The same checks run on the CPU with 2
 gloo processes (tests/training/test_distributed.py, test_distributed_resume.py); the multi-GPU
@@ -12,15 +12,20 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from cli_runs import assert_resume_continues_the_run, ligertune, train_records
-from tiny_recipe import TINY_MODEL, write_recipe
+from tiny_recipe import TINY_MODEL, save_tiny_model, write_recipe
 
 from ligertune.flops import spec_peak_tflops
 from ligertune.verify import TOLERANCES
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "training"))
+from test_medusa import write_medusa_recipe  # noqa: E402
+from test_preference_training import write_preference_recipe  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -110,6 +115,25 @@ def test_a_checkpoint_resumes_on_another_number_of_gpus(tmp_path: Path, processe
     assert_resume_continues_the_run(path, tmp_path / "run", processes=processes, resume_processes=resumed,
                                     steps=4, save_at=2, loss_rtol=loss_rtol, grad_norm_rtol=grad_rtol,
                                     timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("objective", ["dpo", "medusa"])
+def test_a_dpo_and_a_medusa_run_of_two_gpus_resume(tmp_path: Path, objective: str):
+    """The objectives after SFT under FSDP2 over 2 GPUs, bf16 over float32 weights: DPO (its
+    reference precomputed before the first step and read back from the run at `--resume`) and
+    Medusa heads over a frozen model; 4 steps straight against 2 steps, a checkpoint and `--resume`
+    to step 4, within verify-loss's bf16 tolerances."""
+    sections = {"train": {"micro_batch_size": 2, "grad_accum_steps": 1, "eval_every": None},
+                "optim": {"warmup_steps": 2}, "distributed": {"strategy": "fsdp"}}
+    if objective == "dpo":
+        path = write_preference_recipe(tmp_path, model={"config": MODEL, "dtype": "bfloat16"}, **sections)
+    else:
+        base = save_tiny_model(tmp_path / "base", seed=3)
+        path = write_medusa_recipe(tmp_path, base=base, model={"name_or_path": str(base), "config": None,
+                                                               "tokenizer": None, "dtype": "bfloat16"}, **sections)
+    loss_rtol, grad_rtol = TOLERANCES[torch.bfloat16]
+    assert_resume_continues_the_run(path, tmp_path / "run", processes=2, steps=4, save_at=2,
+                                    loss_rtol=loss_rtol, grad_norm_rtol=grad_rtol, timeout=TIMEOUT)
 
 
 def test_the_1b_bench_recipe_trains_sharded_over_two_gpus(tmp_path: Path):

@@ -228,3 +228,16 @@ def test_select_answers_drops_a_pairs_answer_and_closes_the_row():
     assert_same_layout(rejected_only, collate_preferences([make_preference_pack(singles, [0, 1])]))
     with pytest.raises(ValueError, match="4 answers"):
         batch.select_answers([True])
+
+
+def test_a_kto_pack_that_scores_nothing_gives_two_parts_of_its_prompt():
+    """The held-out padding pack (its first prompt, no answer: `evaluation.without_targets`) still
+    runs both passes, so that every rank runs as many forwards."""
+    from ligertune.training.evaluation import without_targets
+
+    units = [kto(100, 3, 2, True, mismatched=3)]
+    padding = without_targets(make_preference_pack(units, [0]))
+    completions, mismatched = collate_preferences([padding]).kto_parts()
+    for part in (completions, mismatched):
+        assert part.input_ids[0].tolist() == [100, 101, 102] and part.num_answers == 0
+        assert part.score_rows.numel() == 0 and part.cu_seqlens_q.tolist() == [0, 3]

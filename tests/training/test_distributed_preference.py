@@ -17,6 +17,7 @@ from ligertune.numerics import relative_error
 @pytest.mark.parametrize("setting", [
     pytest.param([], id="dpo-full-precomputed"),
     pytest.param(["lora.r=4", "lora.alpha=8", "objective.reference=live", "objective.name=ipo"], id="ipo-lora-live"),
+    pytest.param(["objective.name=kto"], id="kto-full-precomputed"),  # each pair two examples
 ])
 def test_two_processes_give_the_preference_step_of_one(tmp_path: Path, setting: list[str]):
     """1 process x 2 micro-batches == 2 processes x 1 (FSDP), after one update: the step's loss,

@@ -143,8 +143,14 @@ def kernels(
 def step(
     recipe: RecipeArg,
     set_: SetOpt = None,
-    steps: Annotated[int, typer.Option("--steps", min=1, help="Timed training steps per variant.")] = 5,
-    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Untimed steps first.")] = 2,
+    steps: Annotated[
+        Optional[int], typer.Option("--steps", min=1, show_default=False,
+                                    help="Timed training steps per variant (default 5; 1 with --max-context).")
+    ] = None,
+    warmup: Annotated[
+        Optional[int], typer.Option("--warmup", min=0, show_default=False,
+                                    help="Untimed steps first (default 2; 0 with --max-context).")
+    ] = None,
     chat: Annotated[
         bool, typer.Option("--chat/--no-chat", help="Also compare packed and padded chat batches.")
     ] = True,
@@ -222,7 +228,11 @@ def step(
     if max_context is not None and caps is not None:
         raise UserError("--max-context and --memory-cap: one search at a time")
     loaded = load_recipe(recipe, list(set_ or []))
-    config = StepBenchConfig(steps=steps, warmup=warmup, chat=chat, peers=peers, peak_tflops=peak_tflops,
+    # A long conversation's step takes minutes: one timed step and no warm-up, unless asked.
+    default = StepBenchConfig(steps=1, warmup=0) if max_context is not None else StepBenchConfig()
+    config = StepBenchConfig(steps=default.steps if steps is None else steps,
+                             warmup=default.warmup if warmup is None else warmup,
+                             chat=chat, peers=peers, peak_tflops=peak_tflops,
                              pairs=pairs, prompt_len=prompt_len, answer_len=answer_len)
     console = Console()
     progress = Console(stderr=True, highlight=False)

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from tiny_recipe import write_preference_recipe
 from typer.testing import CliRunner
 
 from ligertune.cli.main import app
 from ligertune.recipe import load_recipe
 from ligertune.verify import verify_loss
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "training"))
-from test_preference_training import write_preference_recipe  # noqa: E402
 
 
 @pytest.mark.parametrize("name, sections", [

@@ -4,18 +4,15 @@ plot, `chat` and `merge` of its result, and several processes."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from cli_runs import ligertune
+from tiny_recipe import write_preference_recipe
 from typer.testing import CliRunner
 
 from ligertune.cli.main import app
 from ligertune.metrics import read_metrics
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "training"))
-from test_distributed import ligertune  # noqa: E402
-from test_preference_training import write_preference_recipe  # noqa: E402
 
 runner = CliRunner()
 LORA = {"r": 4, "alpha": 8, "target_modules": "all-linear"}

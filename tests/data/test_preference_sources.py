@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from tiny_recipe import paired_records, write_preference_recipe
 
 from ligertune.errors import UserError
 from ligertune.models import load_tokenizer
 from ligertune.recipe import load_recipe
 from ligertune.training.build import build_preference_data
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "training"))
-from test_preference_training import paired_records, write_preference_recipe  # noqa: E402
 
 
 def as_conversations(record: dict) -> dict:

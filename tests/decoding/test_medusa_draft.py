@@ -4,15 +4,12 @@ answer is plain greedy decoding's token for token."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
+from tiny_recipe import write_medusa_recipe
 from typer.testing import CliRunner
 
 from ligertune.cli.main import app
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "training"))
-from test_medusa import write_medusa_recipe  # noqa: E402
 
 runner = CliRunner()
 

@@ -12,20 +12,21 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from cli_runs import assert_resume_continues_the_run, ligertune, train_records
-from tiny_recipe import TINY_MODEL, save_tiny_model, write_recipe
+from tiny_recipe import (
+    TINY_MODEL,
+    save_tiny_model,
+    write_medusa_recipe,
+    write_preference_recipe,
+    write_recipe,
+)
 
 from ligertune.flops import spec_peak_tflops
 from ligertune.verify import TOLERANCES
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "training"))
-from test_medusa import write_medusa_recipe  # noqa: E402
-from test_preference_training import write_preference_recipe  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

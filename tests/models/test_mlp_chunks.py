@@ -14,8 +14,8 @@ from ligertune.errors import RecipeError
 from ligertune.models import packed_attention_kwargs, patch_model
 from ligertune.models.lora import patch_lora
 from ligertune.numerics import relative_error
-from ligertune.training.memory import SavedBytes
 from ligertune.recipe import recipe_from_dict
+from ligertune.training.memory import SavedBytes
 
 LENGTHS = [13, 7, 21]  # 41 tokens: chunks of 8 leave a last one of 1
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_runs import ligertune
 from distributed_lora_dtypes import one_step
 from distributed_step import MODES, step_gradients
 from rich.console import Console
@@ -32,12 +33,6 @@ def torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{HERE}:{HERE.parent}"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def ligertune(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "ligertune", *args], env=env, capture_output=True,
-                          text=True, timeout=timeout)
 
 
 def train_in_one_process(path: Path, *overrides: str, resume=None):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from cli_runs import two_processes_resumed_and_one
 from test_distributed import ligertune
-from test_medusa import write_medusa_recipe
+from tiny_recipe import write_medusa_recipe
 
 from ligertune.metrics import read_metrics
 from ligertune.models.medusa import BASE_NOTE, load_heads

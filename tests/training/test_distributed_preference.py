@@ -9,7 +9,7 @@ import pytest
 import torch
 from distributed_preference import preference_step
 from test_distributed import HERE, ligertune, torchrun
-from test_preference_training import write_preference_recipe
+from tiny_recipe import write_preference_recipe
 
 from ligertune.numerics import relative_error
 

@@ -6,12 +6,12 @@ run (metrics, the model untouched, what final/ holds, `chat`'s loader), resume, 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from rich.console import Console
+from tiny_recipe import write_medusa_recipe, write_recipe
 from typer.testing import CliRunner
 
 from ligertune.cli.main import app
@@ -30,9 +30,6 @@ from ligertune.models.medusa import (
 from ligertune.objectives.medusa import accepted_length, all_head_targets, head_targets
 from ligertune.recipe import load_recipe
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tiny_recipe import save_tiny_model, write_recipe  # noqa: E402
-
 runner = CliRunner()
 
 
@@ -48,13 +45,6 @@ def steps_of(run: Path) -> list[dict]:
 
 def evals_of(run: Path) -> list[dict]:
     return [r for r in read_metrics(run / "metrics.jsonl") if "eval_loss" in r]
-
-
-def write_medusa_recipe(folder: Path, *, objective: dict | None = None, base: Path | None = None, **sections) -> Path:
-    """Medusa heads over a tiny model saved in `folder/base` (as the quick start leaves its final/)."""
-    base = base or save_tiny_model(folder / "base", seed=3)
-    sections.setdefault("model", {"name_or_path": str(base), "config": None, "tokenizer": None})
-    return write_recipe(folder, objective={"name": "medusa", "heads": 3, **(objective or {})}, **sections)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -10,16 +10,14 @@ KL estimate) starts at z0 = 0 with every example costing half its weight, and re
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from test_resume import TIMINGS, StopAt, finish, start
-from tiny_recipe import QUICKSTART, TINY_MODEL
+from tiny_recipe import train_losses, unpaired_records, write_preference_recipe
 
 from ligertune.errors import UserError
 from ligertune.metrics import read_metrics
@@ -30,53 +28,6 @@ from ligertune.training.checkpoint import latest_checkpoint
 from ligertune.training.display import format_metrics
 from ligertune.training.evaluation import evaluate
 from ligertune.training.step import forward_backward, make_batch, next_batches, train_step
-
-
-def paired_records(n: int, offset: int = 0) -> list[dict]:
-    """`n` pairs from the quick-start conversations from `offset` on: the prompt is every message but
-    the last, the chosen answer the last (the real one), the rejected one the last answer of the next
-    conversation with a different one."""
-    with (QUICKSTART / "train.jsonl").open(encoding="utf-8") as f:
-        conversations = [json.loads(line)["messages"] for line in itertools.islice(f, offset, offset + 2 * n + 8)]
-    records = []
-    for i, messages in enumerate(conversations[:n]):
-        chosen = messages[-1]["content"]
-        rejected = next(c[-1]["content"] for c in conversations[i + 1:] if c[-1]["content"] != chosen)
-        records.append({"prompt": messages[:-1], "chosen": chosen, "rejected": rejected})
-    return records
-
-
-def unpaired_records(n: int, offset: int = 0) -> list[dict]:
-    """`n` KTO records: the pairs' prompts, each with its chosen answer (desirable) for even records
-    and its rejected one (undesirable) for odd ones."""
-    return [{"prompt": r["prompt"], "completion": r["chosen"] if i % 2 == 0 else r["rejected"],
-             "label": i % 2 == 0} for i, r in enumerate(paired_records(n, offset))]
-
-
-def write_preference_recipe(folder: Path, n_train: int = 32, n_eval: int = 8, make_records=paired_records,
-                            **sections) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, records in (("train", make_records(n_train)), ("eval", make_records(n_eval, offset=1000))):
-        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    recipe = {
-        "model": {"config": dict(TINY_MODEL), "tokenizer": str(QUICKSTART / "tokenizer"), "dtype": "float32"},
-        "objective": {"name": "dpo"},
-        "data": {"path": "train.jsonl", "eval_path": "eval.jsonl", "format": "paired", "max_seq_len": 256,
-                 "cache_dir": None},
-        "optim": {"lr": 3e-3, "warmup_steps": 0},
-        "train": {"max_steps": 3, "micro_batch_size": 2, "grad_accum_steps": 2, "eval_every": None,
-                  "eval_at_start": False},
-        "output": {"dir": str(folder / "run")},
-    }
-    for section, values in sections.items():
-        recipe.setdefault(section, {}).update(values)
-    path = folder / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
-    return path
-
-
-def train_losses(run_dir: Path) -> list[float]:
-    return [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
 
 
 @torch.no_grad()

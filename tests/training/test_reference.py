@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from test_preference_training import train_losses, unpaired_records, write_preference_recipe
 from test_resume import finish, start
+from tiny_recipe import train_losses, unpaired_records, write_preference_recipe
 
 from ligertune.objectives import reference
 from ligertune.objectives.reference import REFERENCE_FILE

@@ -220,8 +220,14 @@ class PreferenceBatch:
         and None."""
         if not self.kto:
             return self, None
-        second = [a == 1 for lens in self.answer_lens for a in range(len(lens))]
+        second = self.second_answers
         return self.select_answers([not s for s in second]), self.select_answers(second)
+
+    @property
+    def second_answers(self) -> list[bool]:
+        """[A], from the layout on the host: whether each answer is its unit's second (a pair's
+        rejected answer, a KTO example's mismatched completion)."""
+        return [a == 1 for lens in self.answer_lens for a in range(len(lens))]
 
     def select_answers(self, keep: Sequence[bool]) -> PreferenceBatch:
         """The batch with only the answers where `keep` [A] is True: every unit keeps its prompt,

@@ -74,7 +74,7 @@ def score_as_the_step_does(engine: nn.Module, batch) -> torch.Tensor:
     completions, mismatched = batch.kto_parts()
     if mismatched is None:
         return score_answers(engine, batch)
-    second = [a == 1 for lens in batch.answer_lens for a in range(len(lens))]
+    second = batch.second_answers
     order = [i for i, s in enumerate(second) if not s] + [i for i, s in enumerate(second) if s]
     values = torch.cat([score_answers(engine, completions), score_answers(engine, mismatched)])
     return torch.empty_like(values).index_copy_(0, torch.tensor(order, device=values.device), values)

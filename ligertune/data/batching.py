@@ -217,11 +217,15 @@ class PreferenceBatch:
         completion, and as its prompt and its mismatched completion (just its prompt where it has
         none, so that every rank runs as many forwards). The policy trains on the first and
         estimates KL on the second, and each costs only its own tokens. A batch of pairs: itself
-        and None."""
+        and None. Made once per batch: the step splits it, then counts what it trained."""
         if not self.kto:
             return self, None
-        second = self.second_answers
-        return self.select_answers([not s for s in second]), self.select_answers(second)
+        parts = self.__dict__.get("_kto_parts")  # not a field: `to` and `replace` make batches without it
+        if parts is None:
+            second = self.second_answers
+            parts = self.__dict__["_kto_parts"] = (self.select_answers([not s for s in second]),
+                                                   self.select_answers(second))
+        return parts
 
     @property
     def second_answers(self) -> list[bool]:

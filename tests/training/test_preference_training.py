@@ -19,6 +19,7 @@ import torch
 from test_resume import TIMINGS, StopAt, finish, start
 from tiny_recipe import train_losses, unpaired_records, write_preference_recipe
 
+from ligertune.data import PreferenceBatch
 from ligertune.errors import UserError
 from ligertune.metrics import read_metrics
 from ligertune.objectives import Preference
@@ -222,9 +223,10 @@ def test_kto_starts_at_half_of_each_weight_and_resumes_bitwise(tmp_path: Path):
     assert after(tmp_path / "resumed") == after(tmp_path / "straight")
 
 
-def test_kto_counts_the_tokens_its_training_forward_runs(tmp_path: Path):
+def test_kto_counts_the_tokens_its_training_forward_runs(tmp_path: Path, monkeypatch):
     """tokens/s and MFU count what the forward and backward run: each unit's prompt and completion,
-    not its mismatched completion, which only the pass without gradient reads."""
+    not its mismatched completion, which only the pass without gradient reads. Each micro-batch is
+    split into its two parts once."""
     path = write_preference_recipe(
         tmp_path, n_train=8, n_eval=2, make_records=unpaired_records, objective={"name": "kto"},
         data={"format": "unpaired", "packing": False},
@@ -233,7 +235,12 @@ def test_kto_counts_the_tokens_its_training_forward_runs(tmp_path: Path):
     try:
         units = run.data.prepared.train
         assert len(units) == 8 and all(len(u.answer_lens) == 2 for u in units)
+        splits = []
+        select = PreferenceBatch.select_answers
+        monkeypatch.setattr(PreferenceBatch, "select_answers",
+                            lambda batch, keep: splits.append(1) or select(batch, keep))
         stats = train_step(run, next_batches(run))  # every unit, one per pack
+        assert len(splits) == 2 * 2  # two parts of each of the two micro-batches
         trained = [u.prompt_len + u.answer_lens[0] for u in units]
         assert stats.real_tokens == sum(trained) < sum(len(u) for u in units)
         assert stats.flops == run.step_flops(sum(trained), sum(n * n for n in trained))

@@ -48,6 +48,10 @@ def write_recipe(folder: Path, n_train: int = 48, n_eval: int = 8, **sections) -
     path.write_text(yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
     return path
 
+# A distillation student, smaller than TINY_MODEL's teacher.
+STUDENT = {"model_type": "llama", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+           "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 512}
+
 
 def save_tiny_model(folder: Path, seed: int = 0) -> Path:
     """A tiny random llama and the quick-start tokenizer in `folder`, as a run leaves its `final/`:
@@ -115,3 +119,14 @@ def write_medusa_recipe(folder: Path, *, objective: dict | None = None, base: Pa
     base = base or save_tiny_model(folder / "base", seed=3)
     sections.setdefault("model", {"name_or_path": str(base), "config": None, "tokenizer": None})
     return write_recipe(folder, objective={"name": "medusa", "heads": 3, **(objective or {})}, **sections)
+
+
+def write_distill_recipe(folder: Path, *, teacher: Path | None = None, objective: dict | None = None,
+                         **sections) -> Path:
+    """A tiny student (smaller than the teacher: hidden 16 against 32) distilled from a tiny random
+    teacher saved in `folder/teacher`, on the first quick-start conversations."""
+    if teacher is None:
+        teacher = save_tiny_model(folder / "teacher", seed=1)
+    sections.setdefault("model", {"config": dict(STUDENT)})
+    return write_recipe(folder, objective={"name": "distill", "teacher": str(teacher), **(objective or {})},
+                        **sections)

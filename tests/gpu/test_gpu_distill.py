@@ -5,22 +5,17 @@ bf16 and in 4 bits."""
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from gpu_testing import assert_matches_reference
+from tiny_recipe import STUDENT, save_tiny_model, write_distill_recipe
 from typer.testing import CliRunner
 
 from ligertune.cli.main import app
 from ligertune.kernels import DivergenceOptions, fused_linear_divergence, reference
 from ligertune.metrics import read_metrics
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "training"))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from test_distill import STUDENT, write_distill_recipe  # noqa: E402
-from tiny_recipe import save_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

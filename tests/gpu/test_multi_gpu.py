@@ -1,6 +1,7 @@
 """Several GPUs through NCCL, driven as a user drives them (`ligertune ... --nproc N`): verify-loss
-passes with the step of Llama-3.2-1B shapes in bf16 dealt to N GPUs; 2 GPUs train as one GPU with
-twice the accumulation; a checkpoint of 2 GPUs resumes where the run went, DPO's and Medusa's too; the
+passes with the step of Llama-3.2-1B shapes in bf16 dealt to N GPUs, and with the steps of DPO, KTO,
+distillation and Medusa dealt to 2; 2 GPUs train as one GPU with twice the accumulation, and as two
+nodes of one GPU each; a checkpoint of 2 GPUs resumes where the run went, DPO's and Medusa's too; the
 1B bench recipe trains sharded over 2 GPUs, with every figure the trainer reports.
 
 Skipped, with the reason, on fewer GPUs than a test needs. The same checks run on the CPU with 2
@@ -16,22 +17,26 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_runs import assert_resume_continues_the_run, ligertune, train_records
+from cli_runs import assert_resume_continues_the_run, free_port, ligertune, start_ligertune, train_records
+from safetensors.torch import load_file
 from tiny_recipe import (
     TINY_MODEL,
     save_tiny_model,
+    write_distill_recipe,
     write_medusa_recipe,
     write_preference_recipe,
     write_recipe,
 )
 
 from ligertune.flops import spec_peak_tflops
+from ligertune.numerics import relative_error
 from ligertune.verify import TOLERANCES
 
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH_1B = ROOT / "recipes" / "bench" / "llama-3.2-1b.yaml"
+BENCH_1B_DPO = ROOT / "recipes" / "bench" / "llama-3.2-1b-dpo.yaml"
 # Starts in seconds; wide enough that the kernels run several blocks a row.
 MODEL = {**TINY_MODEL, "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 4,
          "num_attention_heads": 8, "num_key_value_heads": 2}
@@ -69,6 +74,61 @@ def test_verify_loss_passes_with_the_step_dealt_to_n_gpus(processes: int):
     assert sorted(c["mode"] for c in dealt) == ["sequence", "sequence", "token", "token"]
     assert all(c["pass"] for c in dealt), dealt
     assert report["pass"] is True
+
+
+@pytest.mark.parametrize("objective", ["dpo", "kto", "distill", "medusa"])
+def test_verify_loss_passes_with_each_objectives_step_dealt_to_two_gpus(tmp_path: Path, objective: str):
+    """The objectives after SFT in bf16, their step dealt to 2 GPUs as `train --nproc 2` deals it:
+    DPO and KTO on the 1B DPO bench recipe (the quick-start pairs), distillation (a student and its
+    teacher sharded alike) and Medusa heads over a frozen model, each within bf16's tolerances of
+    the one-process reference."""
+    if objective in ("dpo", "kto"):
+        recipe = [str(BENCH_1B_DPO), "--set", f"objective.name={objective}"]
+    elif objective == "distill":
+        student = {**MODEL, "hidden_size": 256, "intermediate_size": 688}
+        recipe = [str(write_distill_recipe(tmp_path, teacher=save_tiny_model(tmp_path / "teacher", seed=1),
+                                           model={"config": student, "dtype": "bfloat16"}))]
+    else:
+        base = save_tiny_model(tmp_path / "base", seed=3)
+        recipe = [str(write_medusa_recipe(tmp_path, base=base, model={"name_or_path": str(base), "config": None,
+                                                                       "tokenizer": None, "dtype": "bfloat16"}))]
+    result = ligertune("verify-loss", *recipe, "--nproc", "2", "--samples", "8", "--json", timeout=TIMEOUT)
+    assert result.returncode == 0, succeeded(result)
+    report = json.loads(result.stdout)
+    dealt = [c for c in report["cases"] if c["name"].startswith("2 processes") and c["kind"] == "ligertune"]
+    assert dealt and all(c["pass"] for c in dealt), dealt
+    assert report["pass"] is True
+
+
+def test_two_nodes_of_one_gpu_train_as_one_node_of_two(tmp_path: Path):
+    """The multi-node path on one host: two launches (`--nnodes 2 --node-rank 0/1 --nproc 1`, each
+    seeing its own GPU) meet at torchrun's rendezvous and run NCCL between them; they take the same
+    steps as one launch of 2 processes: the same tokens and learning rates, the losses and gradient
+    norms within float32's rounding, and the same final weights."""
+    path = write_recipe(tmp_path, model={"config": MODEL, "dtype": "float32"},
+                        train={"max_steps": 4, "micro_batch_size": 2, "grad_accum_steps": 1, "eval_every": None},
+                        distributed={"strategy": "fsdp"})
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [start_ligertune("train", str(path), "-o", str(tmp_path / "nodes"), "--nnodes", "2",
+                             "--node-rank", str(rank), "--rdzv-endpoint", endpoint, "--nproc", "1",
+                             env={"CUDA_VISIBLE_DEVICES": str(rank)})
+             for rank in (0, 1)]
+    for node in nodes:
+        out, err = node.communicate(timeout=TIMEOUT)
+        assert node.returncode == 0, out[-2000:] + err[-3000:]
+    one = ligertune("train", str(path), "--nproc", "2", "-o", str(tmp_path / "one"), timeout=TIMEOUT)
+    assert one.returncode == 0, succeeded(one)
+
+    split, straight = train_records(tmp_path / "nodes"), train_records(tmp_path / "one")
+    assert [r["step"] for r in split] == [r["step"] for r in straight] == [1, 2, 3, 4]
+    for mine, reference in zip(split, straight):
+        assert mine["tokens"] == reference["tokens"] and mine["lr"] == reference["lr"], mine["step"]
+        assert mine["loss"] == pytest.approx(reference["loss"], rel=1e-5), mine["step"]
+        assert mine["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-4), mine["step"]
+    expected, weights = (load_file(tmp_path / run / "final" / "model.safetensors") for run in ("one", "nodes"))
+    assert weights.keys() == expected.keys()
+    for name, weight in weights.items():
+        assert relative_error(weight, expected[name]) < 1e-4, name
 
 
 def test_two_gpus_train_as_one_gpu_with_twice_the_accumulation(tmp_path: Path):

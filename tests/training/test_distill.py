@@ -4,35 +4,20 @@ LoRA students and resume."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
+from cli_runs import assert_resume_continues_the_run
+from tiny_recipe import QUICKSTART, STUDENT, save_tiny_model, write_distill_recipe, write_recipe
 from typer.testing import CliRunner
 
 from ligertune.cli.main import app
-from ligertune.metrics import read_metrics
 from ligertune.errors import RecipeError
+from ligertune.metrics import read_metrics
 from ligertune.recipe import load_recipe
 from ligertune.verify import verify_loss
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tiny_recipe import QUICKSTART, save_tiny_model, write_recipe  # noqa: E402
-
 runner = CliRunner()
-STUDENT = {"model_type": "llama", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-           "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 512}
-
-
-def write_distill_recipe(folder: Path, *, teacher: Path | None = None, objective: dict | None = None,
-                         **sections) -> Path:
-    """A tiny student (smaller than the teacher: hidden 16 against 32) distilled from a tiny random
-    teacher saved in `folder/teacher`, on the first quick-start conversations."""
-    if teacher is None:
-        teacher = save_tiny_model(folder / "teacher", seed=1)
-    sections.setdefault("model", {"config": dict(STUDENT)})
-    return write_recipe(folder, objective={"name": "distill", "teacher": str(teacher), **(objective or {})},
-                        **sections)
 
 
 def invoke(*args) -> None:
@@ -149,9 +134,6 @@ def test_verify_loss_holds_for_distillation(tmp_path: Path, loss: str):
 
 
 def test_a_lora_student_distils_and_resumes_to_the_bit(tmp_path: Path):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from cli_runs import assert_resume_continues_the_run
-
     teacher = save_tiny_model(tmp_path / "teacher", seed=1)
     student = save_tiny_model(tmp_path / "student", seed=2)
     path = write_distill_recipe(tmp_path, teacher=teacher, objective={"loss": "jsd"},

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 from cli_runs import two_processes_resumed_and_one
-from test_distill import write_distill_recipe
 from test_distributed import ligertune
+from tiny_recipe import write_distill_recipe
 
 from ligertune.metrics import read_metrics
 

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.utils._pytree as pytree
 
 LOSS_REDUCTIONS = ("mean", "sum", "none")
 
@@ -14,6 +15,18 @@ DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 KL(Q || P), or the generalised Jensen-Shannon divergence of weight beta (`chunked_divergence`)."""
 
 DIVERGENCE_REDUCTIONS = ("sum", "mean")
+
+
+def loss_head_output(cls: type) -> type:
+    """Registers a dataclass that the loss head returns with torch's pytree, so that FSDP2 finds its
+    tensors. FSDP2 hooks the root module's backward (which reduces the root's gradients over the
+    ranks, and queues the end of the backward for every sharded module) on the tensors of the root's
+    output; torch 2.11 finds them with `tree_flatten`, which reads only registered containers. The
+    decoder layers' own hooks usually queue the end of the backward anyway; with Medusa heads over a
+    frozen model the decoder runs without gradient, and without this the heads' gradients stayed
+    each rank's own."""
+    pytree.register_dataclass(cls)
+    return cls
 
 
 @dataclass(frozen=True)
@@ -61,6 +74,7 @@ class LossOptions:
             raise ValueError(f"chunk_bytes must be > 0; got {self.chunk_bytes}")
 
 
+@loss_head_output
 @dataclass
 class LossOutput:
     """What `fused_linear_cross_entropy` returns.
@@ -140,6 +154,7 @@ class DivergenceOptions:
             raise ValueError(f"chunk_bytes must be > 0; got {self.chunk_bytes}")
 
 
+@loss_head_output
 @dataclass
 class DivergenceOutput:
     """What `fused_linear_divergence` returns, each term under the same row weights w_t and reduction.

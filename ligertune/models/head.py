@@ -24,6 +24,7 @@ from torch import nn
 from ligertune import kernels
 from ligertune.kernels import DivergenceOptions, DivergenceOutput, LossOptions, LossOutput
 from ligertune.kernels.reference import cross_entropy_rows
+from ligertune.kernels.types import loss_head_output
 from ligertune.models.attention import (
     PACKED_ATTENTION,
     conversations_mask,
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from ligertune.objectives.preference import AnswerLogps
 
 
+@loss_head_output
 @dataclass
 class MedusaLossOutput:
     """The losses of one forward with Medusa heads (`CausalLMLoss.forward` with `medusa_targets`):

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from ligertune import kernels
 from ligertune.kernels import LossOptions
+from ligertune.kernels.types import loss_head_output
 from ligertune.objectives.base import MicroBatchLoss
 from ligertune.objectives.normalization import _global_sum
 
@@ -60,6 +61,7 @@ REFERENCE_FREE: tuple[str, ...] = ("simpo", "orpo")
 # Per-answer log-probabilities
 
 
+@loss_head_output
 @dataclass
 class AnswerLogps:
     """Per-answer sums of token log-probabilities.

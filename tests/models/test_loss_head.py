@@ -260,3 +260,27 @@ def test_underlying_model_is_a_submodule():
     head = CausalLMLoss(model)
     assert head.model is model
     assert dict(head.named_parameters()).keys() == {f"model.{n}" for n, _ in model.named_parameters()}
+
+
+def test_every_output_of_the_loss_head_flattens_to_its_tensors():
+    """FSDP2 (torch 2.11) hooks the root's backward on the tensors that `tree_flatten` finds in the
+    root's output: each type the loss head returns must give up its tensors, nested ones included
+    (Medusa's losses hold a `LossOutput` per head)."""
+    from torch.utils._pytree import tree_flatten
+
+    from ligertune.kernels import DivergenceOutput, LossOutput
+    from ligertune.models.head import MedusaLossOutput
+    from ligertune.objectives.preference import AnswerLogps
+
+    def loss() -> LossOutput:
+        return LossOutput(*(torch.zeros(()) for _ in range(4)))
+
+    outputs = {
+        "loss": (loss(), 4),
+        "answers": (AnswerLogps(torch.zeros(3), torch.ones(3, dtype=torch.int64)), 2),
+        "divergence": (DivergenceOutput(*(torch.zeros(()) for _ in range(7))), 7),
+        "medusa": (MedusaLossOutput(lm=loss(), heads=[loss(), loss()]), 12),
+    }
+    for name, (output, tensors) in outputs.items():
+        leaves, _ = tree_flatten(output)
+        assert len(leaves) == tensors and all(isinstance(x, torch.Tensor) for x in leaves), name

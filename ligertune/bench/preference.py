@@ -121,7 +121,7 @@ def pair_shape(recipe: Recipe, config: StepBenchConfig) -> PairShape:
 def pair_flops(model, packs: list[PreferencePack], *, reference: bool) -> float:
     """The model flops of a step over `packs` (`ligertune.flops`: each segment's queries times its
     keys for attention): the training forward and backward, KTO's forward without gradient over
-    the mismatched completions, and the reference's forward over all of it when `reference`."""
+    the mismatched completions, and the reference's forward over the packs when `reference`."""
     from ligertune.training.step import squared_lengths
 
     batch = collate_preferences([dataclasses.replace(p, reference_logps=None) for p in packs])
@@ -135,8 +135,8 @@ def pair_flops(model, packs: list[PreferencePack], *, reference: bool) -> float:
     flops = f(trained.num_tokens, squared_lengths(trained))
     if mismatched is not None:  # KTO's pass over its mismatched completions
         flops += forward(mismatched)
-    if reference:
-        flops += forward(trained) + (forward(mismatched) if mismatched is not None else 0.0)
+    if reference:  # each pack whole, KTO's too (`compute_reference_logps`)
+        flops += forward(batch)
     return flops
 
 

@@ -455,6 +455,8 @@ class Preference:
         whole step but their weights: the batches as they are."""
         if not self.kto or not batches:
             return list(batches)
+        for batch in batches:  # a live reference scores each micro-batch whole, its parts carry the values
+            self.attach_reference(batch)
         completions, mismatched = zip(*(batch.kto_parts() for batch in batches))
         z0 = self.kl_estimate(engine, mismatched, device=batches[0].answer_pair.device)
         return [dataclasses.replace(batch, kl_estimate=z0) for batch in completions]

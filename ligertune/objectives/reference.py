@@ -10,7 +10,11 @@ with its new adapters, whose B matrices start at zero: the base model itself), i
 attached to every pack (`PreferencePack.reference_logps`, carried by `collate_preferences` into
 `PreferenceBatch.reference_logps`). No second model is held in memory. With several processes each
 rank scores every world-th pack and the values are gathered (every rank runs as many forwards:
-sharded layers gather their weights together).
+sharded layers gather their weights together). Each pack is scored whole: a KTO example's prompt
+runs once, its completion and mismatched completion each attending to it, where the policy's two
+passes run the prompt once each (`PreferenceBatch.kto_parts`); the same values, to the rounding of
+the computation rather than to the bit, for 35% fewer tokens at a 2,830-token prompt and completions
+of 1,190.
 
 They are kept in two places, as JSON (each float32 value written as the shortest decimal that reads
 back to the same number, so they stay exact):
@@ -22,9 +26,10 @@ back to the same number, so they stay exact):
 - the run's folder (`reference_logps.json`), since after training the starting model is gone: a
   resumed run reads them from there; their count must match the packs' answers.
 
-`live`: `LiveReference` scores each micro-batch's answers again, before the policy's forward: with
-the LoRA adapters switched off, or by a frozen copy of the starting model (full fine-tuning), in
-eval mode under `torch.no_grad()`. Nothing runs before the first step.
+`live`: `LiveReference` scores each micro-batch's answers again, before the policy's forward (KTO's
+micro-batch whole, before the step splits it): with the LoRA adapters switched off, or by a frozen
+copy of the starting model (full fine-tuning), in eval mode under `torch.no_grad()`. Nothing runs
+before the first step.
 """
 
 from __future__ import annotations
@@ -48,9 +53,9 @@ from ligertune.errors import UserError
 from ligertune.files import write_atomic_text
 
 REFERENCE_FILE = "reference_logps.json"
-FORMAT = 2
-"""Part of the cache key: 2 since KTO's completions and mismatched completions are scored in forwards
-of their own (`score_as_the_step_does`)."""
+FORMAT = 3
+"""Part of the cache key: 3 since a KTO example is scored whole again (its prompt once, then its
+completion and its mismatched completion, each attending to the prompt alone)."""
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".json", ".model")
 """The files of a model folder that decide its outputs (weights, configs, quantization)."""
 
@@ -65,19 +70,6 @@ def score_answers(engine: nn.Module, batch) -> torch.Tensor:
                  score_targets=batch.score_targets, score_answers=batch.score_answers,
                  num_answers=batch.num_answers, **batch.attention())
     return out.logp_sum.float()
-
-
-def score_as_the_step_does(engine: nn.Module, batch) -> torch.Tensor:
-    """`score_answers` over the rows the training step runs: for KTO, the completions and the
-    mismatched completions each in a forward of their own (`PreferenceBatch.kto_parts`), so that
-    the policy at the start gives the reference's values to the bit."""
-    completions, mismatched = batch.kto_parts()
-    if mismatched is None:
-        return score_answers(engine, batch)
-    second = batch.second_answers
-    order = [i for i, s in enumerate(second) if not s] + [i for i, s in enumerate(second) if s]
-    values = torch.cat([score_answers(engine, completions), score_answers(engine, mismatched)])
-    return torch.empty_like(values).index_copy_(0, torch.tensor(order, device=values.device), values)
 
 
 @torch.no_grad()
@@ -96,7 +88,7 @@ def compute_reference_logps(engine: nn.Module, packs: Sequence[PreferencePack], 
         for i in range(forwards):
             pack = share[i] if i < len(share) else packs[0]
             batch = collate_preferences([dataclasses.replace(pack, reference_logps=None)]).to(device)
-            scored.append(score_as_the_step_does(engine, batch))
+            scored.append(score_answers(engine, batch))
     finally:
         engine.train(was_training)
     values = [v.tolist() for v in torch.cat(scored).cpu().split([len(v) for v in scored])] if scored else []

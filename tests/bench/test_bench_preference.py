@@ -191,7 +191,7 @@ def test_kto_recipe_is_timed_in_examples_with_its_kl_pass_counted(tmp_path, no_p
     """A KTO recipe: synthetic examples (prompt, completion, the next one's completion as the
     mismatched one), desirable and undesirable in turn, in examples/s; the flops count the training
     forward and backward over prompt + completion, the forward over prompt + mismatched completion
-    and the reference's forward over both."""
+    and the reference's forward over each example whole (the prompt once)."""
     monkeypatch.setenv("COLUMNS", "200")
     path = tmp_path / "kto.yaml"
     path.write_text(RECIPE.replace("name: dpo", "name: kto"))
@@ -210,11 +210,13 @@ def test_kto_recipe_is_timed_in_examples_with_its_kl_pass_counted(tmp_path, no_p
     f = StepFlops.of(build_model(load_recipe(path).model, device="cpu", vocab_size=311))
     trained, mismatched = 4 * 48, 4 * 48  # prompt + one completion, each one causal segment
 
-    def forward(tokens: int) -> float:
-        return 2.0 * f.matmul_params * tokens + 2.0 * f.layers * f.heads * f.head_dim * 48 * tokens
+    def forward(tokens: int, squared: int) -> float:
+        return 2.0 * f.matmul_params * tokens + 2.0 * f.layers * f.heads * f.head_dim * squared
 
-    assert ours["flops"] == pytest.approx(f(trained, 48 * trained) + forward(mismatched) + forward(trained)
-                                          + forward(mismatched))
+    # The reference's pack: the prompt (32 queries, 32 keys), each completion (16 queries, 48 keys).
+    whole = 4 * (32 * 32 + 2 * 16 * 48)
+    assert ours["flops"] == pytest.approx(f(trained, 48 * trained) + forward(mismatched, 48 * mismatched)
+                                          + forward(4 * 64, whole))
     assert "4 examples a step, each a prompt of 32 tokens and a completion and a mismatched completion of 16" in (
         result.output)
     assert "examples/s" in result.output

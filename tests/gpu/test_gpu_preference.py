@@ -29,7 +29,7 @@ from ligertune.data.preference import make_preference_pack
 from ligertune.models import CausalLMLoss, build_model
 from ligertune.models import attention as attention_module
 from ligertune.numerics import relative_error
-from ligertune.objectives.reference import score_as_the_step_does
+from ligertune.objectives.reference import score_answers
 from ligertune.recipe import ModelConfig
 
 pytestmark = pytest.mark.gpu
@@ -182,7 +182,9 @@ def test_kto_parts_score_as_each_conversation_alone(family):
     packed, alone, precise = models(family)
     want = alone_sums(precise, units, groups).float()
     limit = max(FLOOR, 2.0 * relative_error(alone_sums(alone, units, groups).float(), want))
-    got = score_as_the_step_does(CausalLMLoss(packed), batch)
+    engine = CausalLMLoss(packed)
+    completions, mismatched = (score_answers(engine, part) for part in batch.kto_parts())
+    got = torch.stack([completions, mismatched], dim=1).reshape(-1)  # each unit's completion, then its mismatched one
     assert relative_error(got, want) <= limit
 
 

@@ -1,0 +1,162 @@
+"""Measures where a sharded training step's time goes: compute, communication hidden behind it,
+communication left exposed, and the device idle (a GPU machine; runs on 2 gloo processes too).
+
+Findings: docs/PERF.md, the scaling of the 1B full fine-tune (2026-11-27 and after).
+
+    torchrun --nproc-per-node N scripts/probes/fsdp.py [RECIPE] [--set KEY=VALUE ...]
+    # RECIPE: recipes/bench/llama-3.2-1b.yaml; N = 1 gives the one-process step to compare with
+
+The run is `ligertune train`'s (`training.setup`: FSDP2 over N processes, or one process), with
+`scripts/multi_gpu.py`'s settings (float32 weights stepped, `optim.master_weights=true`). After
+`WARMUP` steps, each phase runs `REPEATS` times, every process synchronized around it (its device,
+then a barrier), median shown:
+
+    forward         `forward_backward(run, batches, backward=False)`
+    forward+back    `forward_backward(run, batches, backward=True)`, the gradients then dropped
+    step            `train_step(run, batches)`: the above, clipping, the update, the schedule
+
+Then one step under the profiler on every process; rank 0 prints its device's timeline over the
+step: kernels other than NCCL's (compute), NCCL's (communication), the part of communication that
+runs while no compute kernel does (exposed), and the time no kernel runs (idle), each as the union of
+the kernels' intervals between the step's first and last kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from ligertune.devices import synchronize
+from ligertune.distributed import (
+    all_reduce_sum,
+    barrier,
+    destroy_process_group,
+    finished_together,
+    topology_from_environment,
+)
+from ligertune.recipe import load_recipe
+from ligertune.training import cleanup, forward_backward, next_batches, setup, train_step
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "bench" / "llama-3.2-1b.yaml"
+OUTPUT = Path(tempfile.gettempdir()) / "ligertune-fsdp-probe"  # the run writes its metrics there, and is replaced
+SETTINGS = ("optim.master_weights=true", "train.log_every=1", "train.eval_every=null",
+            "train.eval_at_start=false", "train.save_every=null", "train.max_steps=1000",
+            f"output.dir={OUTPUT}", "output.overwrite=true")
+WARMUP = 3
+REPEATS = 5
+
+
+def timed(run, action) -> float:
+    """Median milliseconds of `action()` over REPEATS, every process's device synchronized and the
+    processes met before and after each."""
+    times = []
+    for _ in range(REPEATS):
+        synchronize(run.device)
+        barrier()
+        start = time.perf_counter()
+        action()
+        synchronize(run.device)
+        barrier()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def length(intervals: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """The length of the intersection of two unions of intervals."""
+    total, j = 0.0, 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            total += min(end, b[k][1]) - max(start, b[k][0])
+            k += 1
+    return total
+
+
+def device_timeline(step) -> dict[str, float] | None:
+    """Milliseconds of compute, communication, exposed communication and idle in one `step()` on
+    this process's GPU (None without CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not kernels:
+        return None
+    comm = union([(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()])
+    compute = union([(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()])
+    span = max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)
+    busy = length(union(comm + compute))
+    return {"span": span / 1e3, "compute": length(compute) / 1e3, "communication": length(comm) / 1e3,
+            "exposed": (length(comm) - overlap(comm, compute)) / 1e3, "idle": (span - busy) / 1e3}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("recipe", nargs="?", type=Path, default=RECIPE)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args()
+    topology = topology_from_environment()
+    run = setup(load_recipe(args.recipe, [*SETTINGS, *args.overrides]), Console(quiet=True))
+    try:
+        batches = next_batches(run)
+        local = torch.tensor(float(sum(int(b.num_tokens) for b in batches)), dtype=torch.float64, device=run.device)
+        tokens = int(all_reduce_sum(local).item())  # every process's
+        for _ in range(WARMUP):
+            train_step(run, batches)
+
+        def forward_only():
+            forward_backward(run, batches, backward=False)
+
+        def forward_and_backward():
+            forward_backward(run, batches, backward=True)
+            run.model.zero_grad(set_to_none=True)
+
+        phases = {"forward": timed(run, forward_only), "forward+back": timed(run, forward_and_backward),
+                  "step": timed(run, lambda: train_step(run, batches))}
+        timeline = device_timeline(lambda: train_step(run, batches))
+    finally:
+        cleanup(run)
+    if topology.is_main:
+        step = phases["step"]
+        print(f"{args.recipe}, {topology.world_size} process(es), {tokens} tokens a step "
+              f"({tokens / step * 1e3:,.0f} tokens/s)")
+        print("| phase | ms |\n|---|---:|")
+        for name, ms in phases.items():
+            print(f"| {name} | {ms:.1f} |")
+        print(f"| backward (forward+back - forward) | {phases['forward+back'] - phases['forward']:.1f} |")
+        print(f"| clipping, optimizer, schedule (step - forward+back) | {step - phases['forward+back']:.1f} |")
+        if timeline is not None:
+            print("\nrank 0's device over one profiled step\n| part | ms |\n|---|---:|")
+            for name, ms in timeline.items():
+                print(f"| {name} | {ms:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
+    finished_together()
+    destroy_process_group()

@@ -21,10 +21,10 @@ def loss_head_output(cls: type) -> type:
     """Registers a dataclass that the loss head returns with torch's pytree, so that FSDP2 finds its
     tensors. FSDP2 hooks the root module's backward (which reduces the root's gradients over the
     ranks, and queues the end of the backward for every sharded module) on the tensors of the root's
-    output; torch 2.11 finds them with `tree_flatten`, which reads only registered containers. The
-    decoder layers' own hooks usually queue the end of the backward anyway; with Medusa heads over a
-    frozen model the decoder runs without gradient, and without this the heads' gradients stayed
-    each rank's own."""
+    output; torch 2.11 looks for them only in containers that pytree knows (2.13 reads dataclasses
+    too). The decoder layers' own hooks usually queue the end of the backward anyway; with Medusa
+    heads over a frozen model the decoder runs without gradient, and without this the heads'
+    gradients stayed each rank's own."""
     pytree.register_dataclass(cls)
     return cls
 

@@ -221,17 +221,11 @@ class PreferenceBatch:
         if not self.kto:
             return self, None
         parts = self.__dict__.get("_kto_parts")  # not a field: `to` and `replace` make batches without it
-        if parts is None:
-            second = self.second_answers
+        if parts is None:  # from the layout on the host: each unit's second answer is its mismatched one
+            second = [a == 1 for lens in self.answer_lens for a in range(len(lens))]
             parts = self.__dict__["_kto_parts"] = (self.select_answers([not s for s in second]),
                                                    self.select_answers(second))
         return parts
-
-    @property
-    def second_answers(self) -> list[bool]:
-        """[A], from the layout on the host: whether each answer is its unit's second (a pair's
-        rejected answer, a KTO example's mismatched completion)."""
-        return [a == 1 for lens in self.answer_lens for a in range(len(lens))]
 
     def select_answers(self, keep: Sequence[bool]) -> PreferenceBatch:
         """The batch with only the answers where `keep` [A] is True: every unit keeps its prompt,

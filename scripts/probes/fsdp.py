@@ -8,8 +8,8 @@ Findings: docs/PERF.md, the scaling of the 1B full fine-tune (2026-11-27 and aft
 
 The run is `ligertune train`'s (`training.setup`: FSDP2 over N processes, or one process), with
 `scripts/multi_gpu.py`'s settings (float32 weights stepped, `optim.master_weights=true`). After
-`WARMUP` steps, each phase runs `REPEATS` times, every process synchronized around it (its device,
-then a barrier), median shown:
+`WARMUP` steps, each phase runs `REPEATS` times (`bench.timing.measure`: CUDA events on the GPU; the
+step's collectives keep the processes together), median shown:
 
     forward         `forward_backward(run, batches, backward=False)`
     forward+back    `forward_backward(run, batches, backward=True)`, the gradients then dropped
@@ -24,18 +24,15 @@ the kernels' intervals between the step's first and last kernel.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from rich.console import Console
 
-from ligertune.devices import synchronize
+from ligertune.bench.timing import measure
 from ligertune.distributed import (
     all_reduce_sum,
-    barrier,
     destroy_process_group,
     finished_together,
     topology_from_environment,
@@ -50,21 +47,6 @@ SETTINGS = ("optim.master_weights=true", "train.log_every=1", "train.eval_every=
             f"output.dir={OUTPUT}", "output.overwrite=true")
 WARMUP = 3
 REPEATS = 5
-
-
-def timed(run, action) -> float:
-    """Median milliseconds of `action()` over REPEATS, every process's device synchronized and the
-    processes met before and after each."""
-    times = []
-    for _ in range(REPEATS):
-        synchronize(run.device)
-        barrier()
-        start = time.perf_counter()
-        action()
-        synchronize(run.device)
-        barrier()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -129,15 +111,16 @@ def main() -> None:
         for _ in range(WARMUP):
             train_step(run, batches)
 
-        def forward_only():
-            forward_backward(run, batches, backward=False)
+        def timed(action, before_each=None) -> float:
+            return measure(action, device=run.device, warmup=1, repeats=REPEATS, memory=False,
+                           before_each=before_each).median_ms
 
-        def forward_and_backward():
-            forward_backward(run, batches, backward=True)
+        def drop_gradients():
             run.model.zero_grad(set_to_none=True)
 
-        phases = {"forward": timed(run, forward_only), "forward+back": timed(run, forward_and_backward),
-                  "step": timed(run, lambda: train_step(run, batches))}
+        phases = {"forward": timed(lambda: forward_backward(run, batches, backward=False)),
+                  "forward+back": timed(lambda: forward_backward(run, batches, backward=True), drop_gradients),
+                  "step": timed(lambda: train_step(run, batches))}
         timeline = device_timeline(lambda: train_step(run, batches))
     finally:
         cleanup(run)

@@ -5,19 +5,24 @@ Each draft answers the same prompts greedily through `generate_reply`, the funct
 second over all prompts (the median of `repeats` timings of each prompt), reply tokens per model
 forward, drafted tokens kept per forward, the share kept at each depth, and whether every answer is
 the plain greedy one (it must be: verification keeps only what greedy decoding would write).
+
+A prompt is a list of messages: a `-p` string is one user turn; a conversation of a chat-data file
+(`--prompts-from`) is its messages before its last assistant turn, so the model answers its last
+user turn in context.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rich.table import Table
 
+from ligertune.data.formats import Message, read_conversations
 from ligertune.decoding import DRAFTS, DecodeStats, make_drafter
-from ligertune.errors import UserError
+from ligertune.errors import DataError, UserError
 
 DEFAULT_PROMPTS = (
     "Repeat this list exactly, twice: apples, pears, plums, figs, apples, pears, plums, figs.",
@@ -27,11 +32,62 @@ DEFAULT_PROMPTS = (
 )
 """Two prompts whose answers copy the prompt (where n-gram drafts shine) and two open ones."""
 
+Prompt = list[Message]
+"""The messages a reply answers: the last is the user turn (or a tool result) to answer."""
+
+
+def user_prompt(text: str) -> Prompt:
+    return [{"role": "user", "content": text}]
+
+
+def prompt_of(messages: list[Message]) -> Prompt:
+    """A conversation's messages before its last assistant turn, or all of them when no assistant turn
+    follows its last user turn (a conversation that ends on the question)."""
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+    last_assistant = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+    return messages[:last_assistant] if last_assistant > last_user else list(messages)
+
+
+def prompt_text(prompt: Prompt) -> str:
+    """What the report shows of a prompt: its last user turn."""
+    return next(m["content"] for m in reversed(prompt) if m["role"] == "user")
+
+
+def prompts_from(path: Path, *, limit: int | None = None) -> list[Prompt]:
+    """A prompt (`prompt_of`) from each conversation of a local chat-data file, the first `limit` of
+    them when given; any format `data.path` reads (`ligertune.data.formats`)."""
+    if not path.is_file():
+        raise UserError(f"--prompts-from {path}: {'is a directory' if path.is_dir() else 'no such file'}")
+    try:
+        conversations = read_conversations(str(path)).conversations
+    except DataError as err:
+        raise UserError(f"--prompts-from {err}") from None
+    prompts = []
+    for conversation in conversations[:limit]:
+        if not any(m["role"] == "user" for m in conversation.messages):
+            raise UserError(f"--prompts-from {conversation.origin}: no user turn to answer")
+        prompts.append(prompt_of(conversation.messages))
+    if not prompts:
+        raise UserError(f"--prompts-from {path}: no conversations")
+    return prompts
+
+
+def bench_prompts(texts: Sequence[str] = (), file: Path | None = None, *, max_prompts: int | None = None
+                  ) -> tuple[Prompt, ...]:
+    """The `-p` prompts, then those of `--prompts-from` (its first `max_prompts`); the defaults when
+    neither is given."""
+    if max_prompts is not None and file is None:
+        raise UserError("--max-prompts: give --prompts-from FILE to take the prompts from")
+    prompts = [user_prompt(t) for t in texts]
+    if file is not None:
+        prompts += prompts_from(file, limit=max_prompts)
+    return tuple(prompts or (user_prompt(t) for t in DEFAULT_PROMPTS))
+
 
 @dataclass
 class DecodeBenchConfig:
     drafts: tuple[str, ...] = ("none", "ngram")
-    prompts: tuple[str, ...] = DEFAULT_PROMPTS
+    prompts: tuple[Prompt, ...] = field(default_factory=bench_prompts)
     max_new_tokens: int = 128
     repeats: int = 3
     """Timed answers of each prompt; the median counts."""
@@ -70,6 +126,7 @@ class DecodeReport:
     max_new_tokens: int
     repeats: int
     prompts: list[str]
+    """Each prompt's last user turn."""
     rows: list[DecodeRow] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -93,13 +150,14 @@ def run_decode_bench(path: Path, config: DecodeBenchConfig, *, log: Callable[[st
                                 trust_remote_code=config.trust_remote_code)
     require_chat_template(loaded)
     report = DecodeReport(model=str(path), device=loaded.device.type, dtype=str(loaded.dtype).removeprefix("torch."),
-                          max_new_tokens=config.max_new_tokens, repeats=config.repeats, prompts=list(config.prompts))
+                          max_new_tokens=config.max_new_tokens, repeats=config.repeats,
+                          prompts=[prompt_text(p) for p in config.prompts])
     answers: dict[str, list[str]] = {}
     for name in config.drafts:
         drafter = None if name == "none" else make_drafter(name, model_dir=loaded.source.model_dir, depth=config.depth)
 
-        def answer(prompt: str, drafter=drafter):
-            return generate_reply(loaded.model, loaded.tokenizer, [{"role": "user", "content": prompt}],
+        def answer(prompt: Prompt, drafter=drafter):
+            return generate_reply(loaded.model, loaded.tokenizer, prompt,
                                   max_new_tokens=config.max_new_tokens, draft=drafter)
 
         for _ in range(config.warmup):

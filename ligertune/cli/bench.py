@@ -275,6 +275,15 @@ def decode(
         Optional[list[str]], typer.Option("--prompt", "-p", help="A prompt to answer (repeatable; default: four "
                                           "built-in ones, two of which copy text).", show_default=False)
     ] = None,
+    prompts_from: Annotated[
+        Optional[Path], typer.Option("--prompts-from", help="Answer each conversation of a chat-data file "
+                                     "(JSONL: {\"messages\": [...]}) up to its last assistant turn, after "
+                                     "any -p prompts.", metavar="FILE", show_default=False)
+    ] = None,
+    max_prompts: Annotated[
+        Optional[int], typer.Option("--max-prompts", min=1, help="Take the first N conversations of "
+                                    "--prompts-from (default: all).", metavar="N", show_default=False)
+    ] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="Longest answer.")] = 128,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed answers per prompt (the median counts).")] = 3,
     warmup: Annotated[int, typer.Option("--warmup", min=0, help="Untimed answers first, per draft.")] = 1,
@@ -290,12 +299,13 @@ def decode(
     """
     import transformers
 
-    from ligertune.bench.decode import DEFAULT_PROMPTS, DecodeBenchConfig, decode_table, run_decode_bench
+    from ligertune.bench.decode import DecodeBenchConfig, bench_prompts, decode_table, run_decode_bench
     from ligertune.bench.report import write_json
 
     transformers.utils.logging.disable_progress_bar()
     config = DecodeBenchConfig(
-        drafts=tuple(d.strip() for d in drafts.split(",") if d.strip()), prompts=tuple(prompt or DEFAULT_PROMPTS),
+        drafts=tuple(d.strip() for d in drafts.split(",") if d.strip()),
+        prompts=bench_prompts(prompt or (), prompts_from, max_prompts=max_prompts),
         max_new_tokens=max_new_tokens, repeats=repeats, warmup=warmup, depth=depth, device=device, dtype=dtype,
         trust_remote_code=trust_remote_code,
     )

@@ -83,3 +83,21 @@ def test_bench_decode_times_each_draft_and_checks_the_answers(model_dir: Path, t
     assert "tokens/s" in result.stdout
     refused = invoke("bench", "decode", model_dir, "--drafts", "none,eagle")
     assert refused.exit_code == 2 and "--drafts: expected some of none, ngram, medusa" in refused.stderr
+
+
+def test_bench_decode_answers_the_conversations_of_a_chat_file(model_dir: Path, tmp_path: Path):
+    chat = tmp_path / "eval.jsonl"
+    chat.write_text("".join(json.dumps({"messages": [
+        {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": p},
+        {"role": "assistant", "content": "ok"}]}) + "\n" for p in PROMPTS))
+    out = tmp_path / "decode.json"
+    result = invoke("bench", "decode", model_dir, "-p", "hi", "--prompts-from", chat, "--max-prompts", 2,
+                    "-n", 8, "--repeats", 1, "--warmup", 0, "--json", out)
+    assert result.exit_code == 0, result.output + result.stderr
+    report = json.loads(out.read_text())
+    assert [row["draft"] for row in report["rows"]] == ["none", "ngram"]
+    assert report["prompts"] == ["hi", *PROMPTS[:2]] and report["rows"][1]["same_as_plain"] is True
+    chat.write_text(chat.read_text() + "{not json\n")
+    refused = invoke("bench", "decode", model_dir, "--prompts-from", chat)
+    assert refused.exit_code == 2, refused.output
+    assert f"--prompts-from {chat}:4: invalid JSON" in refused.stderr and "Traceback" not in refused.output

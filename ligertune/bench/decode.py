@@ -1,7 +1,8 @@
 """`ligertune bench decode RUN`: answers/s at batch 1 with each draft against plain decoding.
 
 Each draft answers the same prompts greedily through `generate_reply`, the function `chat` calls
-(what is timed is what answers); `none` is plain `model.generate`. Per draft: reply tokens per
+(what is timed is what answers); `none` is plain `model.generate`. The drafts take turns on each
+prompt. Per draft: reply tokens per
 second over all prompts (the median of `repeats` timings of each prompt), reply tokens per model
 forward, drafted tokens kept per forward, the share kept at each depth, and whether every answer is
 the plain greedy one (it must be: verification keeps only what greedy decoding would write).
@@ -152,21 +153,31 @@ def run_decode_bench(path: Path, config: DecodeBenchConfig, *, log: Callable[[st
     report = DecodeReport(model=str(path), device=loaded.device.type, dtype=str(loaded.dtype).removeprefix("torch."),
                           max_new_tokens=config.max_new_tokens, repeats=config.repeats,
                           prompts=[prompt_text(p) for p in config.prompts])
+    drafters = {name: None if name == "none" else make_drafter(name, model_dir=loaded.source.model_dir,
+                                                                depth=config.depth)
+                for name in config.drafts}
+
+    def answer(prompt: Prompt, name: str):
+        return generate_reply(loaded.model, loaded.tokenizer, prompt, max_new_tokens=config.max_new_tokens,
+                              draft=drafters[name])
+
+    for name in config.drafts:
+        for _ in range(config.warmup):
+            answer(config.prompts[0], name)
+    # The drafts take turns on each prompt, so a drift of the machine's speed (clocks, other
+    # processes, the host's scheduling) falls on every draft alike rather than on whichever ran last.
+    timed: dict[str, list[list]] = {name: [] for name in config.drafts}
+    for prompt in config.prompts:
+        replies = {name: [] for name in config.drafts}
+        for _ in range(config.repeats):
+            for name in config.drafts:
+                replies[name].append(answer(prompt, name))
+        for name in config.drafts:
+            timed[name].append(replies[name])
     answers: dict[str, list[str]] = {}
     for name in config.drafts:
-        drafter = None if name == "none" else make_drafter(name, model_dir=loaded.source.model_dir, depth=config.depth)
-
-        def answer(prompt: Prompt, drafter=drafter):
-            return generate_reply(loaded.model, loaded.tokenizer, prompt,
-                                  max_new_tokens=config.max_new_tokens, draft=drafter)
-
-        for _ in range(config.warmup):
-            answer(config.prompts[0])
-        replies, seconds = [], 0.0
-        for prompt in config.prompts:
-            timed = [answer(prompt) for _ in range(config.repeats)]
-            replies.append(timed[0])
-            seconds += statistics.median(r.seconds for r in timed)
+        replies = [runs[0] for runs in timed[name]]
+        seconds = sum(statistics.median(r.seconds for r in runs) for runs in timed[name])
         answers[name] = [r.text for r in replies]
         stats = DecodeStats.pooled([r.stats for r in replies])
         row = DecodeRow(

@@ -73,3 +73,38 @@ def test_bad_lines_name_the_file_and_line(tmp_path: Path, lines: list[str], expe
 def test_a_missing_file_is_named(tmp_path: Path):
     with pytest.raises(UserError, match=r"--prompts-from .*missing\.jsonl: no such file"):
         prompts_from(tmp_path / "missing.jsonl")
+
+
+def test_the_drafts_take_turns_on_each_prompt(monkeypatch, tmp_path: Path):
+    """Each prompt is answered by every draft in turn, `repeats` times, so a drift of the machine's
+    speed falls on all drafts alike; each draft's time is the sum of its per-prompt medians."""
+    import types
+
+    import ligertune.bench.decode as decode
+    import ligertune.inference as inference
+    from ligertune.decoding import DecodeStats
+
+    calls = []
+
+    def reply(model, tokenizer, messages, *, max_new_tokens, draft):
+        calls.append((prompt_text(messages), draft or "none"))
+        seconds = {"none": 0.3, "ngram": 0.1}[draft or "none"] * len(calls)  # the machine slows down
+        return inference.Reply(text="ok", prompt_tokens=5, completion_tokens=3, finish_reason="stop", seconds=seconds,
+                               stats=DecodeStats.plain(3))
+
+    loaded = types.SimpleNamespace(model=None, tokenizer=None, device=types.SimpleNamespace(type="cpu"),
+                                   dtype="torch.float32", source=types.SimpleNamespace(model_dir=tmp_path))
+    monkeypatch.setattr(inference, "load_for_inference", lambda path, **kw: loaded)
+    monkeypatch.setattr(inference, "require_chat_template", lambda loaded: None)
+    monkeypatch.setattr(inference, "generate_reply", reply)
+    monkeypatch.setattr(decode, "make_drafter", lambda name, **kw: name)
+    config = decode.DecodeBenchConfig(drafts=("none", "ngram"), prompts=bench_prompts(["a", "b"]),
+                                      repeats=2, warmup=1)
+    report = decode.run_decode_bench(tmp_path, config, log=lambda line: None)
+    timed = calls[2:]  # after one warm-up answer per draft
+    assert timed == [("a", "none"), ("a", "ngram")] * 2 + [("b", "none"), ("b", "ngram")] * 2
+    assert [r.draft for r in report.rows] == ["none", "ngram"]
+    # calls 3-6 answer "a", 7-10 "b": the median of calls 3 and 5 plus that of 7 and 9 for `none`
+    assert report.rows[0].seconds == pytest.approx(0.3 * (4 + 8))
+    assert report.rows[1].seconds == pytest.approx(0.1 * (5 + 9))
+

@@ -23,6 +23,7 @@ __all__ = [
     "fused_linear_cross_entropy",
     "fused_linear_divergence",
     "lion_step",
+    "quantize_rows",
     "rms_norm",
     "swiglu",
 ]
@@ -136,3 +137,9 @@ def lion_step(params, grads, moments, *, lr: float, beta1: float = 0.9, beta2: f
     device = params[0].device if params else None
     impl = _impl("lion_step", device)
     impl(params, grads, moments, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
+
+
+def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 2-D tensor to float8 (e4m3) with one scale per row: (q, scale [rows] float32), x ~ q * scale
+    (times `col_scale` elementwise first, when given); see `float8_rows`."""
+    return _impl("quantize_rows", x.device)(x, col_scale)

@@ -21,7 +21,9 @@ import torch
 
 from ligertune.kernels.chunked_divergence import ChunkDivergence, chunked_linear_divergence
 from ligertune.kernels.chunked_loss import ChunkLoss, chunked_linear_cross_entropy
-from ligertune.kernels.types import DivergenceOptions, DivergenceOutput, LossOptions, LossOutput
+from ligertune.kernels.types import (
+    AMAX_FLOOR, FLOAT8, FLOAT8_MAX, DivergenceOptions, DivergenceOutput, LossOptions, LossOutput,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Fused linear cross-entropy
@@ -450,3 +452,19 @@ def lion_step(
         for stored, computed in [*zip(params, p32), *zip(moments, m32)]:
             if computed is not stored:
                 stored.copy_(computed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows to float8
+# ---------------------------------------------------------------------------------------------
+
+
+def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [rows, cols] e4m3, scale [rows] float32) of a 2-D `x`, `float8_rows.quantize_rows`'s
+    formula: q = e4m3(x E / amax), scale = amax / E per row, x first times `col_scale` when given."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize_rows: expected a 2-D tensor, got shape {tuple(x.shape)}")
+    xf = x.float() if col_scale is None else x.float() * col_scale.float()
+    amax = xf.abs().amax(dim=1, keepdim=True).clamp_min(AMAX_FLOOR)
+    q = (xf * (FLOAT8_MAX / amax)).clamp_(-FLOAT8_MAX, FLOAT8_MAX).to(FLOAT8)
+    return q, (amax / FLOAT8_MAX).squeeze(1)

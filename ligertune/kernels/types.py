@@ -16,6 +16,12 @@ KL(Q || P), or the generalised Jensen-Shannon divergence of weight beta (`chunke
 
 DIVERGENCE_REDUCTIONS = ("sum", "mean")
 
+FLOAT8 = torch.float8_e4m3fn
+"""The float8 format of `quantize_rows`: 3 bits of mantissa over +-448."""
+FLOAT8_MAX = 448.0
+AMAX_FLOOR = 1e-12
+"""The smallest row maximum a float8 scale is taken from: an all-zero row stays zeros."""
+
 
 def loss_head_output(cls: type) -> type:
     """Registers a dataclass that the loss head returns with torch's pytree, so that FSDP2 finds its

@@ -1,0 +1,81 @@
+"""Rows to float8 with a scale per row: the activations and gradients of the frozen float8 layers
+(`ligertune.models.float8.Float8FrozenLinear`).
+
+For a row x (times `col_scale` elementwise, when given), with E = 448 the largest e4m3 value:
+
+    amax  = max_k |x_k|            (1e-12 at least: an all-zero row keeps zeros)
+    q_k   = e4m3(x_k * E / amax)   rounded to nearest, ties to even, |q_k| <= E
+    scale = amax / E               so that x_k ~ q_k * scale
+
+One program per row reads it twice (its largest magnitude, then the cast: the second read comes
+from the cache for rows of a decoder's widths) and writes one byte per element and the scale: one
+pass over the tensor in device memory, where the same in torch's eager ops is five.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ligertune.kernels.types import AMAX_FLOOR, FLOAT8, FLOAT8_MAX
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """v (float32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, still in float32, so
+    that the cast after it is exact whatever performs it (Triton's interpreter rounds up without
+    carrying into the exponent: 31.5 became 16). At 3 bits of mantissa from 2^-6 up (float32 keeps
+    23: add half a unit of the 20 dropped bits, plus the kept last bit for ties, and clear them; a
+    carry moves the exponent, as it should); below, e4m3 is subnormal, a multiple of 2^-9 (adding
+    and subtracting 1.5 * 2^14 leaves v rounded to that grid)."""
+    bits = v.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    subnormal = (v + 24576.0) - 24576.0
+    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, col_scale_ptr, q_ptr, scale_ptr, n_cols, x_row_stride,
+                          HAS_COL_SCALE: tl.constexpr, BLOCK: tl.constexpr, FLOAT8_MAX: tl.constexpr,
+                          AMAX_FLOOR: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        if HAS_COL_SCALE:
+            x = x * tl.load(col_scale_ptr + cols, mask=cols < n_cols, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x))
+    row_amax = tl.maximum(tl.max(amax, axis=0), AMAX_FLOOR)
+    factor = FLOAT8_MAX / row_amax
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        if HAS_COL_SCALE:
+            x = x * tl.load(col_scale_ptr + cols, mask=cols < n_cols, other=0.0)
+        q = tl.clamp(x * factor, -FLOAT8_MAX, FLOAT8_MAX)
+        tl.store(q_ptr + row * n_cols + cols, _round_to_e4m3(q).to(q_ptr.dtype.element_ty), mask=cols < n_cols)
+    tl.store(scale_ptr + row, row_amax / FLOAT8_MAX)
+
+
+def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [rows, cols] e4m3, scale [rows] float32) of a 2-D `x`; see the module docstring."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize_rows: expected a 2-D tensor, got shape {tuple(x.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    rows, cols = x.shape
+    q = torch.empty(rows, cols, dtype=FLOAT8, device=x.device)
+    scale = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if col_scale is not None:
+        col_scale = col_scale.float().contiguous()
+    if rows:
+        block = min(triton.next_power_of_2(cols), 4096)
+        _quantize_rows_kernel[(rows,)](
+            x, col_scale if col_scale is not None else scale, q, scale, cols, x.stride(0),
+            HAS_COL_SCALE=col_scale is not None, BLOCK=block, FLOAT8_MAX=FLOAT8_MAX, AMAX_FLOOR=AMAX_FLOOR,
+            num_warps=8 if block >= 2048 else 4,
+        )
+    return q, scale

@@ -1,0 +1,82 @@
+"""Rows to float8 with a scale per row (`ligertune.kernels.quantize_rows`), on both paths: each row's
+scale is its largest magnitude over 448, and every element comes back within e4m3's rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_testing import DEVICE
+
+from ligertune.kernels import quantize_rows
+
+
+def rows_of_many_ranges(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(rows * 1000 + cols)
+    x = torch.randn(rows, cols, generator=g) * torch.logspace(-3, 3, rows)[:, None]
+    x[0, 0] = 0.0
+    return x.to(dtype).to(DEVICE)
+
+
+def assert_within_rounding(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """e4m3 keeps 3 bits of mantissa: a normal value within 2^-4 of itself; below 2^-6 (in the scaled
+    units) values are subnormal, spaced 2^-9 apart."""
+    xf = x.double()
+    amax = xf.abs().amax(dim=1)
+    assert torch.allclose(scale.double(), amax.clamp_min(1e-12) / 448, rtol=1e-6, atol=0)
+    back = q.double() * scale.double()[:, None]
+    assert (back - xf).abs().le(2**-4 * xf.abs() + 2**-10 * scale.double()[:, None] + 1e-30).all()
+    assert q.double().abs().amax(dim=1).eq(torch.where(amax > 0, 448.0, 0.0)).all()  # the largest maps to 448
+
+
+@pytest.mark.parametrize("shape", [(7, 100), (3, 5000), (64, 16)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_each_row_is_its_scale_times_float8_values(kernel_path, shape, dtype):
+    x = rows_of_many_ranges(*shape, dtype)
+    q, scale = quantize_rows(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape and scale.shape == (shape[0],)
+    assert scale.dtype == torch.float32
+    assert_within_rounding(x, q, scale)
+
+
+def test_a_column_scale_multiplies_each_column_first(kernel_path):
+    x = rows_of_many_ranges(5, 300, torch.bfloat16)
+    col_scale = torch.rand(300, generator=torch.Generator().manual_seed(3)).add_(0.01).to(DEVICE)
+    q, scale = quantize_rows(x, col_scale)
+    assert_within_rounding(x.float() * col_scale, q, scale)
+
+
+def test_strided_rows_and_zero_rows(kernel_path):
+    wide = rows_of_many_ranges(6, 700, torch.bfloat16)
+    wide[2] = 0
+    x = wide[:, 100:600]  # rows 700 apart
+    q, scale = quantize_rows(x)
+    assert_within_rounding(x, q, scale)
+    assert q[2].float().eq(0).all()
+
+
+def test_both_paths_agree(monkeypatch):
+    x = rows_of_many_ranges(9, 1000, torch.bfloat16)
+    out = {}
+    for path in ("triton", "reference"):
+        monkeypatch.setenv("LIGERTUNE_KERNELS", path)
+        out[path] = quantize_rows(x)
+    (q_t, s_t), (q_r, s_r) = out["triton"], out["reference"]
+    assert torch.equal(s_t, s_r)
+    assert torch.equal(q_t.view(torch.uint8), q_r.view(torch.uint8))  # nearest, ties to even, on both
+
+
+def test_rounding_is_to_nearest_ties_to_even_across_binades(kernel_path):
+    """Values just below a power of two round up into the next binade; halfway values go to the
+    even neighbour; below 2^-6 (in float8 units) the grid is 2^-9."""
+    values = [448.0, 31.5, 31.0, 30.9, 17.0, 19.0, 15.5, 0.0146, 0.0107, 2**-10, 2**-10 * 3, 1.0625, 1.1875]
+    x = torch.tensor([values + [-v for v in values]], dtype=torch.float32, device=DEVICE)
+    q, scale = quantize_rows(x)
+    assert scale.item() == 1.0  # the row's largest is 448: the values themselves are cast
+    expected = torch.tensor([values + [-v for v in values]]).to(torch.float8_e4m3fn)
+    assert q.float().cpu().tolist() == expected.float().tolist()
+    assert expected.float()[0, :4].tolist() == [448.0, 32.0, 32.0, 30.0]  # 31 is halfway: to even
+
+
+def test_only_matrices(kernel_path):
+    with pytest.raises(ValueError, match="2-D"):
+        quantize_rows(torch.ones(2, 3, 4, device=DEVICE))

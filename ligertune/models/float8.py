@@ -1,5 +1,6 @@
-"""FP8 training (`train.precision: fp8`): the decoder's linear layers multiply in float8 through
-torchao's float8 training, the rest of the step as in bf16.
+"""FP8 training (`train.precision: fp8`): the decoder's linear layers multiply in float8, the rest of
+the step as in bf16. Layers whose weights train go through torchao's float8 training; frozen layers
+(the base of LoRA, a frozen model under Medusa heads) become `Float8FrozenLinear`.
 
 Each converted layer (torchao's `Float8Linear`) keeps its bf16 weight and, at every forward and
 backward, casts its two operands to float8 with a scale computed from their current absolute
@@ -7,6 +8,16 @@ maximum (dynamic scaling: e4m3 for activations and weights, e5m2 for gradients),
 GPU's float8 tensor cores (`torch._scaled_mm`, H100-class GPUs: compute capability 8.9 or newer)
 and returns bf16. `fp8_scaling: tensorwise` takes one scale per tensor (the fastest);
 `rowwise` one per row, closer where rows differ in range.
+
+A frozen layer needs neither: its weight never changes, so `Float8FrozenLinear` casts it once, at
+conversion, to e4m3 with a scale per output channel and frees the bf16 weight (half the bytes); its
+weight has no gradient, so it runs two float8 GEMMs where torchao's `Float8Linear` runs three (it
+computes the weight's gradient whether the weight trains or not) and keeps no activation for it.
+Only the activations and the output gradients are cast at each call, a scale per token
+(`ligertune.kernels.quantize_rows`, one pass each):
+
+    forward    y  = (q_x s_x) (q_W s_W)^T            scales s_x per token, s_W per output channel
+    backward   dx = q(dy * s_W) s_dy  q_W            s_W folded into dy before its cast
 
 What stays in bf16: the embeddings, the norms, attention, the output projection (read by the fused
 linear cross-entropy as one matrix) and the LoRA adapters (small: their GEMMs are not where the time
@@ -26,6 +37,7 @@ import torch
 from torch import nn
 
 from ligertune.errors import UserError
+from ligertune.kernels import quantize_rows
 from ligertune.quiet import quiet_optional_libraries
 
 EXTRA = "fp8"
@@ -93,7 +105,72 @@ def convert_to_float8(model: nn.Module, scaling: str = "tensorwise", *, emulate:
     return len(converted)
 
 
+class _FrozenFloat8Matmul(torch.autograd.Function):
+    """y = x W^T over a float8 weight (`Float8FrozenLinear`); the gradient of x only."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+        q, scale = quantize_rows(x)
+        # Nothing of x is kept. The weight and its scales are the layer's own buffers, held as they
+        # are: through save_for_backward the memory planner's count of what a layer saves
+        # (`training.memory.SavedBytes`) would take them for activations.
+        ctx.weight, ctx.weight_scale, ctx.out_dtype = weight, weight_scale, x.dtype
+        return torch._scaled_mm(q, weight.t(), scale_a=scale[:, None], scale_b=weight_scale[None, :],
+                                out_dtype=x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        weight, weight_scale = ctx.weight, ctx.weight_scale
+        q, scale = quantize_rows(dy, weight_scale)
+        ones = torch.ones(1, weight.shape[1], dtype=torch.float32, device=weight.device)
+        # the second operand of a float8 GEMM is read column-major: W's transpose, laid out row-major
+        dx = torch._scaled_mm(q, weight.t().contiguous().t(), scale_a=scale[:, None], scale_b=ones,
+                              out_dtype=ctx.out_dtype)
+        return dx, None, None
+
+
+class Float8FrozenLinear(nn.Module):
+    """A frozen `nn.Linear` that multiplies in float8: its weight cast once to e4m3 with a scale per
+    output channel (`weight`, `weight_scale`: buffers derived from the model's weights, not saved
+    with it), its input cast at each call with a scale per token; see the module docstring."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        with torch.no_grad():
+            weight, scale = quantize_rows(linear.weight.detach())
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("weight_scale", scale, persistent=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _FrozenFloat8Matmul.apply(x.reshape(-1, self.in_features), self.weight, self.weight_scale)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def freeze_to_float8(model: nn.Module) -> int:
+    """Replace every frozen `nn.Linear` of the decoder (no trainable weight; not the output projection
+    nor a layer tied to the embeddings; sides multiples of 16, as float8 GEMMs need) by a
+    `Float8FrozenLinear`, in place, under LoRA's wrappers too; return how many."""
+    tied = {id(m.weight) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None}
+    chosen = [
+        (parent, name, child)
+        for parent in model.modules() for name, child in parent.named_children()
+        if type(child) is nn.Linear and not child.weight.requires_grad and id(child.weight) not in tied
+        and child.in_features % 16 == 0 and child.out_features % 16 == 0
+    ]
+    for parent, name, child in chosen:
+        setattr(parent, name, Float8FrozenLinear(child))
+    return len(chosen)
+
+
 def float8_layers(model: nn.Module) -> int:
     """How many layers of `model` multiply in float8."""
-    return sum(type(m).__name__ == "Float8Linear" and type(m).__module__.startswith("torchao.")
+    return sum(isinstance(m, Float8FrozenLinear)
+               or (type(m).__name__ == "Float8Linear" and type(m).__module__.startswith("torchao."))
                for m in model.modules())

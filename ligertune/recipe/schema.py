@@ -709,13 +709,14 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = _field("auto", "`auto`: CUDA when available, else CPU.")
     precision: Literal["auto", "fp8"] = _field(
         "auto", "`auto`: every matmul in `model.dtype`. `fp8`: the decoder's linear layers multiply in "
-        "float8 with dynamic scales (torchao's float8 training: pip install 'ligertune[fp8]'), over "
-        "bf16 weights; an NVIDIA GPU of compute capability 8.9 or newer (H100-class), one process. "
-        "Measured faster for large LoRA runs, slower for a 1B full fine-tune (docs/fp8.md)."
+        "float8 over bf16 weights: trained layers through torchao's float8 training (pip install "
+        "'ligertune[fp8]'), a frozen base (LoRA's) cast to float8 once; an NVIDIA GPU of compute "
+        "capability 8.9 or newer (H100-class), one process (docs/fp8.md)."
     )
     fp8_scaling: Literal["tensorwise", "rowwise"] = _field(
-        "tensorwise", "With `precision: fp8`: one scale per tensor (`tensorwise`, the fastest) or per "
-        "row (`rowwise`)."
+        "tensorwise", "With `precision: fp8`, for layers whose weights train: one scale per tensor "
+        "(`tensorwise`, the fastest) or per row (`rowwise`). A frozen base always takes a scale per "
+        "token and per output channel."
     )
     log_every: int = _field(1, "Write a metrics record every N optimizer steps.")
     eval_every: int | None = _field(None, "Evaluate on the held-out data every N steps (and at the end).")
@@ -836,6 +837,11 @@ class Recipe:
     distributed: DistributedConfig = _field(doc="Several processes.", factory=DistributedConfig)
     output: OutputConfig = _field(doc="Output files.", factory=OutputConfig)
     description: str | None = _field(None, "Free text shown by `ligertune recipes ls`.")
+
+    @property
+    def trains_model_weights(self) -> bool:
+        """Whether the model's own weights train: no LoRA adapters, and not frozen under Medusa heads."""
+        return self.lora is None and self.objective.trains_backbone
 
     def check(self) -> list[tuple[str, str]]:
         problems = []

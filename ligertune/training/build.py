@@ -322,15 +322,16 @@ def build_model(
     model_cfg = recipe.model if attention is None else dataclasses.replace(recipe.model, attention=attention)
     if model_cfg.quantization is not None:
         check_quantized(recipe)
-    if recipe.train.precision == "fp8":
-        check_float8(device)
+    float8 = recipe.train.precision == "fp8"
+    if float8:
+        check_float8(device, torchao=recipe.trains_model_weights)
     dtype = dtype or resolve_dtype(model_cfg.dtype, device)
     model = models.build_model(model_cfg, device=device, dtype=dtype, seed=recipe.train.seed,
                                vocab_size=vocab_size)
     if model_cfg.quantization is not None:
         check_modules_to_save(model, recipe)
     patches = patch_kernels(model, recipe.kernels) if kernels else None
-    if recipe.train.precision == "fp8":
+    if float8 and recipe.trains_model_weights:
         from ligertune.models.float8 import convert_to_float8
 
         convert_to_float8(model, recipe.train.fp8_scaling, compiled=True)
@@ -344,6 +345,10 @@ def build_model(
         cast_trainable(model, trainable_dtype)
     if not recipe.objective.trains_backbone:
         model.requires_grad_(False)  # Medusa heads over a frozen model: the heads alone train
+    if float8 and not recipe.trains_model_weights:
+        from ligertune.models.float8 import freeze_to_float8
+
+        freeze_to_float8(model)  # the frozen base: float8 weights once, no weight gradient
     return BuiltModel(model, dtype, patches)
 
 
@@ -434,9 +439,10 @@ def check_quantized(recipe: Recipe) -> None:
     require_bitsandbytes(kind)
 
 
-def check_float8(device: torch.device) -> None:
+def check_float8(device: torch.device, *, torchao: bool = True) -> None:
     """Refuse `train.precision: fp8` where it cannot run: without float8 tensor cores, over several
-    processes (not yet tried with FSDP's sharded weights), or without torchao."""
+    processes (not yet tried with FSDP's sharded weights), or without torchao where weights train
+    in float8 (`torchao`; a frozen base needs only torch's float8 GEMM)."""
     from ligertune.distributed import topology_from_environment
     from ligertune.models.float8 import check_float8_device, require_torchao
 
@@ -444,7 +450,8 @@ def check_float8(device: torch.device) -> None:
     if topology_from_environment().distributed:
         raise UserError("train.precision: fp8 trains on one process for now; run without --nproc/torchrun, "
                         "or with precision: auto")
-    require_torchao()
+    if torchao:
+        require_torchao()
 
 
 def check_modules_to_save(model: nn.Module, recipe: Recipe) -> None:

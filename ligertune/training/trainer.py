@@ -267,8 +267,9 @@ def describe_run(run: Run, dtype: torch.dtype, patches: str) -> None:
     out.print(f"kernels: {patches}; fused loss: {'on' if run.head.fused else 'off'} "
               f"({active_path(run.device)} path)")
     if recipe.train.precision == "fp8":
-        out.print(f"fp8: {float8_layers(run.model)} linear layers multiply in float8 "
-                  f"({recipe.train.fp8_scaling} scales, torchao); the rest in {dtype}")
+        how = (f"{recipe.train.fp8_scaling} scales, torchao" if recipe.trains_model_weights
+               else "frozen: cast once, a scale per output channel and per token")
+        out.print(f"fp8: {float8_layers(run.model)} linear layers multiply in float8 ({how}); the rest in {dtype}")
     out.print(
         f"data: {len(data.train_examples)} train / {len(data.eval_examples)} eval {recipe.objective.units}, "
         f"{len(data.train_packs)} packs of {recipe.data.max_seq_len} ({real / max(slots, 1):.1%} full), "

@@ -1,0 +1,47 @@
+"""A frozen layer in float8 (`Float8FrozenLinear`) on float8 tensor cores, at Llama-3.1-8B's shapes:
+its forward and input gradient are the products of the float8 operands with their scales (float64
+products of the dequantized operands, computed on the GPU), and close to bf16's. On the CPU torch's
+float8 GEMM is a reference implementation; here it is cuBLAS's, whose operand layouts and scale
+shapes the CPU does not check.
+
+    TRITON_INTERPRET=0 python -m pytest -m gpu tests/gpu/test_gpu_float8_frozen.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ligertune.kernels import quantize_rows
+from ligertune.models.float8 import Float8FrozenLinear
+from ligertune.numerics import relative_error
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                       reason="needs a GPU with float8 tensor cores (compute capability 8.9+)"),
+]
+
+
+def dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.double() * scale.double()[:, None]
+
+
+@pytest.mark.parametrize("n_in, n_out", [(4096, 1024), (4096, 14336), (14336, 4096)])
+def test_the_float8_products_at_8b_shapes(n_in, n_out):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(n_in, n_out, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+    with torch.no_grad():
+        linear.weight.mul_(torch.logspace(-1, 1, n_out, device="cuda", dtype=torch.bfloat16)[:, None])
+    layer = Float8FrozenLinear(linear)
+    x = torch.randn(1000, n_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # not a multiple of 16
+    dy = torch.randn(1000, n_out, device="cuda", dtype=torch.bfloat16)
+    y = layer(x)
+    y.backward(dy)
+    w = dequantized(layer.weight, layer.weight_scale)
+    y_exact = dequantized(*quantize_rows(x.detach())) @ w.T
+    dx_exact = dequantized(*quantize_rows(dy, layer.weight_scale)) @ layer.weight.double()
+    assert relative_error(y, y_exact) < 4e-3
+    assert relative_error(x.grad, dx_exact) < 4e-3
+    assert relative_error(y, x.detach().double() @ linear.weight.double().T) < 0.06
+    assert relative_error(x.grad, dy.double() @ linear.weight.double()) < 0.06

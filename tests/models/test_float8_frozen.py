@@ -1,0 +1,129 @@
+"""A frozen base in float8 (`train.precision: fp8` under LoRA, `Float8FrozenLinear`): the GEMMs are
+exactly those of the float8 operands with their scales (checked against float64 products of the
+dequantized operands), close to bf16's, with no gradient and no activation kept for the weight; and
+LoRA trains over it as over a bf16 base. torch's float8 GEMM runs on the CPU too; on a GPU it is the
+float8 tensor cores' (tests/gpu/test_gpu_fp8.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import peft
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import make_model
+from tiny_recipe import write_recipe
+
+from ligertune.kernels import quantize_rows
+from ligertune.models.float8 import Float8FrozenLinear, float8_layers, freeze_to_float8
+from ligertune.models.lora import patch_lora
+from ligertune.numerics import relative_error
+from ligertune.recipe import load_recipe
+
+LAYERS = 2
+
+
+def frozen_linear(n_in: int = 96, n_out: int = 64, bias: bool = False, seed: int = 0) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    linear = torch.nn.Linear(n_in, n_out, bias=bias, dtype=torch.bfloat16).requires_grad_(False)
+    with torch.no_grad():  # output channels of different ranges, as trained weights have
+        linear.weight.mul_(torch.logspace(-1, 1, n_out, dtype=torch.bfloat16)[:, None])
+    return linear
+
+
+def dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.double() * scale.double()[:, None]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_forward_and_input_gradient_are_the_float8_products(bias):
+    linear = frozen_linear(bias=bias)
+    layer = Float8FrozenLinear(linear)
+    x = torch.randn(3, 5, 96, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(3, 5, 64, dtype=torch.bfloat16)
+    y = layer(x)
+    y.backward(dy)
+    assert y.shape == (3, 5, 64) and y.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16
+
+    w = dequantized(layer.weight, layer.weight_scale)
+    x2, dy2 = x.detach().reshape(-1, 96), dy.reshape(-1, 64)
+    y_exact = dequantized(*quantize_rows(x2)) @ w.T + (linear.bias.double() if bias else 0)
+    # dy W = (dy * s_W) q_W: the weight's channel scales go into dy before its cast
+    dx_exact = dequantized(*quantize_rows(dy2, layer.weight_scale)) @ layer.weight.double()
+    assert relative_error(y.reshape(-1, 64), y_exact) < 4e-3  # float32 accumulation, bf16 output
+    assert relative_error(x.grad.reshape(-1, 96), dx_exact) < 4e-3
+    # and close to bf16's own products: 3 bits of mantissa an operand
+    assert relative_error(y.reshape(-1, 64), x2.double() @ linear.weight.double().T
+                          + (linear.bias.double() if bias else 0)) < 0.06
+    assert relative_error(x.grad.reshape(-1, 96), dy2.double() @ linear.weight.double()) < 0.06
+
+
+def test_the_weight_is_one_byte_a_value_frozen_and_not_state():
+    layer = Float8FrozenLinear(frozen_linear())
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale.shape == (64,)
+    assert list(layer.parameters()) == [] and layer.state_dict() == {}
+    x = torch.randn(4, 96, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = layer(x)
+    y.sum().backward()
+    assert x.grad is not None and layer.weight.grad is None
+    assert saved == []  # nothing for the backward: not x, and not the weight as an activation
+
+
+def batch(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(seed))
+
+
+def loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    logits = model(ids).logits
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+    loss.backward()
+    return loss.detach(), {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def lora_model():
+    model = make_model("llama", attention="sdpa", dtype=torch.bfloat16)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    model = peft.get_peft_model(model, lora, autocast_adapter_dtype=False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+    return model
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_lora_over_a_float8_base_trains_as_over_bf16(fast):
+    model = lora_model()
+    reference = copy.deepcopy(model)
+    assert freeze_to_float8(model) == 7 * LAYERS  # the base layers inside peft's; not the output layer
+    assert float8_layers(model) == 7 * LAYERS and type(model.get_output_embeddings()) is not Float8FrozenLinear
+    if fast:
+        patch_lora(model)
+        patch_lora(reference)
+    (loss, grads), (loss0, grads0) = loss_and_grads(model, batch()), loss_and_grads(reference, batch())
+    assert relative_error(loss, loss0) < 1e-2
+    assert grads.keys() == grads0.keys() and all("lora_" in n for n in grads)
+    for name in grads:
+        assert relative_error(grads[name], grads0[name]) < 0.25, name
+
+
+@pytest.mark.parametrize("sections", [{"lora": {"r": 4}}, {"objective": {"name": "medusa"}}], ids=["lora", "medusa"])
+def test_a_frozen_base_in_fp8_is_built_in_float8(tmp_path, monkeypatch, sections):
+    """`build_model`: under LoRA, and under Medusa heads over a frozen model, the frozen decoder
+    becomes float8 (no torchao needed); the refusal of a device without float8 tensor cores is
+    stubbed out, since this runs on the CPU."""
+    from ligertune.training import build
+
+    monkeypatch.setattr(build, "check_float8", lambda device, torchao: calls.append(torchao))
+    calls = []
+    recipe = load_recipe(write_recipe(tmp_path, model={"dtype": "bfloat16"}, **sections))
+    recipe.train.precision = "fp8"
+    built = build.build_model(recipe, device=torch.device("cpu"), vocab_size=302)
+    assert calls == [False]  # torchao is not asked for
+    linears = sum(type(m) is torch.nn.Linear for m in built.module.modules())
+    assert float8_layers(built.module) == 7 * 2 and linears > 0  # the adapters and the output layer stay
+    assert all(p.requires_grad == ("lora_" in n) for n, p in built.module.named_parameters())  # none for Medusa

@@ -186,10 +186,12 @@ def split_packs(packs: Sequence[T], world_size: int, *, length: Callable[[T], in
 
 
 def shard(head: nn.Module, decoder_layers: Sequence[nn.Module], *, strategy: str, device: torch.device,
-          mixed_precision: torch.dtype | None) -> nn.Module:
+          mixed_precision: torch.dtype | None, reshard_after_forward: bool = True) -> nn.Module:
     """The loss head made data-parallel: FSDP2 over each decoder layer with the head as the root, or
     DDP around the head. Gradients are summed over the ranks (the loss weights already count the
-    whole step). Returns the module to call for forward and backward."""
+    whole step). `reshard_after_forward=False` keeps each layer's gathered weights from its forward
+    to its backward (`distributed.reshard_after_forward`). Returns the module to call for forward
+    and backward."""
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -210,7 +212,7 @@ def shard(head: nn.Module, decoder_layers: Sequence[nn.Module], *, strategy: str
         root_policy = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32,
                                            cast_forward_inputs=False)
     for layer in decoder_layers:
-        fully_shard(layer, mp_policy=policy)
+        fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(head, mp_policy=root_policy)
     for module in head.modules():
         if isinstance(module, FSDPModule):

@@ -219,7 +219,7 @@ def verify_loss(recipe: Recipe, *, samples: int = 8, modes: Sequence[str] = ("to
     if topology.distributed:
         patch_ligertune(model, recipe, teacher=teacher_model)
         engine = shard(head, decoder_of(model).layers, strategy=strategy(recipe), device=device,
-                       mixed_precision=None)
+                       mixed_precision=None, reshard_after_forward=recipe.distributed.reshard_after_forward)
         if teacher_model is not None:
             attach_teacher(objective, model, teacher_model, topology=topology, device=device,
                            sharding=strategy(recipe))

@@ -139,7 +139,7 @@ def verify_preference_loss(recipe: Recipe, *, samples: int = 8) -> Report:
         if topology.distributed:
             world = topology.world_size
             engine = shard(head, decoder_of(model).layers, strategy=strategy(recipe), device=device,
-                           mixed_precision=None)
+                           mixed_precision=None, reshard_after_forward=recipe.distributed.reshard_after_forward)
             share = split_packs(list(everything), world, length=lambda i: len(units[i]))[topology.rank]
             compare(f"{world} processes, packed, 1 micro-batch each", "ligertune", engine, [packed(share)],
                     distributed=True)

@@ -791,11 +791,21 @@ class DistributedConfig:
     timeout_minutes: float = _field(
         10.0, "How long a collective waits for the other processes before the run fails."
     )
+    reshard_after_forward: bool = _field(
+        True, "With `fsdp`: free each decoder layer's gathered weights after its forward and gather them "
+        "again for its backward (`true`), or keep them from the forward to the backward (`false`: one "
+        "all-gather a layer a step instead of two, for the memory of the whole model's 16-bit weights on "
+        "every process)."
+    )
 
     def check(self) -> list[tuple[str, str]]:
+        problems = []
         if not self.timeout_minutes > 0:
-            return [("timeout_minutes", f"must be > 0, got {self.timeout_minutes}")]
-        return []
+            problems.append(("timeout_minutes", f"must be > 0, got {self.timeout_minutes}"))
+        if not self.reshard_after_forward and self.strategy == "ddp":
+            problems.append(("reshard_after_forward", "applies to strategy fsdp only (ddp holds the whole "
+                             "model on every process): remove it, or use strategy: fsdp"))
+        return problems
 
 
 @dataclass

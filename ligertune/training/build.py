@@ -652,7 +652,8 @@ def build_run(recipe: Recipe, model: nn.Module, *, device: torch.device, total_s
     engine = head
     if topology.distributed:
         engine = shard(head, models.decoder_of(model).layers, strategy=strategy(recipe), device=device,
-                       mixed_precision=mixed_precision)
+                       mixed_precision=mixed_precision,
+                       reshard_after_forward=recipe.distributed.reshard_after_forward)
     optimizer = build_optimizer(head, recipe.optim)
     objective = build_objective(recipe)
     if recipe.objective.reference_mode == "live":

@@ -64,6 +64,8 @@ def test_split_packs_gives_each_rank_as_many_packs_with_balanced_tokens():
     pytest.param(["distributed.strategy=ddp"], 4, id="full-ddp-accumulating"),
     pytest.param(["lora.r=4", "lora.alpha=8"], 2, id="lora-fsdp"),
     pytest.param(["kernels.mlp_chunk_tokens=16", "train.gradient_checkpointing=true"], 2, id="mlp-chunks-fsdp"),
+    pytest.param(["distributed.reshard_after_forward=false", "train.gradient_checkpointing=true"], 2,
+                 id="fsdp-kept-after-forward"),
 ])
 def test_two_processes_give_the_loss_and_gradients_of_one(tmp_path: Path, setting: list[str], accumulation: int):
     """1 process x accumulation A == 2 processes x A/2, for every normalization (z-loss and label
@@ -83,6 +85,32 @@ def test_two_processes_give_the_loss_and_gradients_of_one(tmp_path: Path, settin
         assert grads_one.keys() == grads_two.keys()
         for name, g in grads_one.items():
             assert relative_error(grads_two[name], g) < 1e-5, (mode, name)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_each_decoder_layer_is_sharded_as_the_recipe_says(monkeypatch, keep):
+    """`distributed.reshard_after_forward` reaches every decoder layer's `fully_shard`; the root (the
+    loss head, which gathers the output layer around the loss) keeps FSDP's default."""
+    import torch.distributed.fsdp as fsdp
+
+    from ligertune.distributed import shard
+
+    calls = []
+    monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kwargs: calls.append((module, kwargs)))
+    layers = [torch.nn.Linear(4, 4) for _ in range(3)]
+    head = torch.nn.Sequential(*layers)
+    shard(head, layers, strategy="fsdp", device=torch.device("cpu"), mixed_precision=None,
+          reshard_after_forward=not keep)
+    assert [m for m, _ in calls] == [*layers, head]
+    assert all(kwargs["reshard_after_forward"] is (not keep) for _, kwargs in calls[:3])
+    assert "reshard_after_forward" not in calls[3][1]
+
+
+def test_keeping_the_gathered_weights_is_refused_under_ddp(tmp_path: Path):
+    result = ligertune("train", str(write_recipe(tmp_path)), "--set", "distributed.strategy=ddp",
+                       "--set", "distributed.reshard_after_forward=false")
+    assert result.returncode == 2 and "distributed.reshard_after_forward" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32

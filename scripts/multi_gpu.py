@@ -30,6 +30,8 @@ Three parts (`--parts`, all by default), each made of `ligertune` commands run a
 
 `--tiny` runs the same commands with a tiny Llama (float32) on the first conversations of the
 quick-start data, 2 processes and a few steps. MFU and peak device memory need CUDA: n/a on a CPU.
+`--set KEY=VALUE` adds a recipe override to every command (a variant to compare, such as
+`distributed.reshard_after_forward=false`).
 
 This script measures; it judges nothing but the exit code of each command it runs. The checks
 (verify-loss passes at N processes, N processes train as one, a sharded checkpoint resumes where
@@ -385,6 +387,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(default: every GPU; 2 with --tiny).")
     parser.add_argument("--steps", type=int, help="Steps of each scaling run (default 30; 4 with --tiny).")
     parser.add_argument("--fsdp-steps", type=int, help="Steps of the run of part 3 (default 12; 4 with --tiny).")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="A recipe override for every command (repeatable), e.g. "
+                        "distributed.reshard_after_forward=false.")
     parser.add_argument("--work-dir", type=Path, help="Keep the runs' logs and metrics in a new folder here "
                         "(default: a temporary folder, removed); part 3's final model needs 4 bytes a "
                         "parameter free on its disk.")
@@ -441,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="multi-gpu-"))).resolve()
         plan = Plan(cuda=cuda, gpus=gpus, steps=args.steps or (4 if args.tiny else 30),
                     fsdp_steps=args.fsdp_steps or (4 if args.tiny else 12), skip=TINY_SKIP if args.tiny else SKIP,
-                    common=tiny_overrides(work) if args.tiny else ())
+                    common=(*(tiny_overrides(work) if args.tiny else ()), *args.set))
         commands = Commands(work)
         device = info["gpus"][0]["name"] if cuda else "cpu"
         print(f"{'tiny, ' if args.tiny else ''}{gpus} processes on {device}, torch "

@@ -105,3 +105,16 @@ def test_figures_read_from_what_the_commands_printed():
     wrapped = "ligertune model LlamaForCausalLM\n8030.26M params (8030.26M trainable), torch.bfloat16, cuda\n"
     assert script.parameter_count(wrapped) == 8_030_260_000
     assert script.parameter_count("train 4/4") is None
+
+
+def test_overrides_given_with_set_reach_every_command(tmp_path: Path, monkeypatch):
+    script = load_script()
+    args = script.parse_args(["--tiny", "--set", "distributed.reshard_after_forward=false", "--set", "a.b=1"])
+    assert args.set == ["distributed.reshard_after_forward=false", "a.b=1"]
+    ran = []
+    monkeypatch.setattr(script.Commands, "run", lambda self, argv, name: ran.append(argv) or script.Outcome(
+        name=name, command=" ".join(argv), exit_code=1, seconds=0.0, stdout="", log_tail="failed"))
+    monkeypatch.setattr(script, "probe", lambda: {"gpus": [], "environment": {}})
+    script.main(["--tiny", "--parts", "scaling", "--set", "distributed.reshard_after_forward=false",
+                 "--work-dir", str(tmp_path)])
+    assert ran and all("distributed.reshard_after_forward=false" in argv for argv in ran)

@@ -2,10 +2,10 @@
 
 Each draft answers the same prompts greedily through `generate_reply`, the function `chat` calls
 (what is timed is what answers); `none` is plain `model.generate`. The drafts take turns on each
-prompt. Per draft: reply tokens per
-second over all prompts (the median of `repeats` timings of each prompt), reply tokens per model
-forward, drafted tokens kept per forward, the share kept at each depth, and whether every answer is
-the plain greedy one (it must be: verification keeps only what greedy decoding would write).
+prompt. Per draft: reply tokens per second over all prompts (the median of `repeats` timings of each
+prompt), reply tokens per model forward, drafted tokens kept per forward, the share kept at each
+depth, and whether every answer is the plain greedy one (it must be: verification keeps only what
+greedy decoding would write).
 
 A prompt is a list of messages: a `-p` string is one user turn; a conversation of a chat-data file
 (`--prompts-from`) is its messages before its last assistant turn, so the model answers its last

@@ -1,7 +1,8 @@
 """`gradient_checkpointing: auto` on the GPU at long context: the plan it makes for a budget fits it.
 
-One conversation of 32,768 tokens a step through an 8-layer model, where the layers' activations are
-most of the step's memory. The step's peak with every layer kept and with every layer recomputed
+One conversation of 32,768 tokens a step, and one of 131,072 (the length where the planner once picked
+a plan that ran out of memory), through an 8-layer model, where the layers' activations are most of
+the step's memory. The step's peak with every layer kept and with every layer recomputed
 bounds the budgets worth asking for; for budgets in between, the planner must keep some layers and
 recompute others, and the step it plans (its peak measured over a timed step after the two planning
 steps, as `bench step` measures it) must stay within the budget, and within 5% of its own prediction.
@@ -22,23 +23,23 @@ from ligertune.recipe import load_recipe
 
 pytestmark = pytest.mark.gpu
 
-TOKENS = 32_768
 LAYERS = 8
 
 
-def planned_step(tmp_path, budget_gib: float, offload: bool | str = False) -> tuple[float, int, float]:
-    """(measured peak GiB, layers recomputed, predicted peak GiB) of the step `auto` plans under `budget_gib`."""
+def planned_step(tmp_path, tokens: int, budget_gib: float, offload: bool | str = False) -> tuple[float, int, float]:
+    """(measured peak GiB, layers recomputed, predicted peak GiB) of the step `auto` plans under
+    `budget_gib` for one conversation of `tokens` tokens."""
     recipe = {
         "model": {"config": {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816,
                              "num_hidden_layers": LAYERS, "num_attention_heads": 16, "num_key_value_heads": 4,
-                             "max_position_embeddings": TOKENS},
+                             "max_position_embeddings": tokens},
                   "tokenizer": str(QUICKSTART / "tokenizer"), "dtype": "bfloat16", "attention": "packed"},
-        "data": {"path": str(QUICKSTART / "train.jsonl"), "max_seq_len": TOKENS},
+        "data": {"path": str(QUICKSTART / "train.jsonl"), "max_seq_len": tokens},
         "train": {"micro_batch_size": 1, "gradient_checkpointing": "auto", "memory_budget_gib": budget_gib,
                   "activation_offload": offload, "device": "cuda"},
         "output": {"dir": str(tmp_path / "run")},
     }
-    path = tmp_path / f"planner-{budget_gib:.3f}.yaml"
+    path = tmp_path / f"planner-{tokens}-{budget_gib:.3f}.yaml"
     path.write_text(yaml.safe_dump(recipe))
     config = StepBenchConfig(steps=1, warmup=0, chat=False, peers=False, measure_matmul=False)
     row = run_step_bench(load_recipe(path), config).rows[0]
@@ -48,15 +49,16 @@ def planned_step(tmp_path, budget_gib: float, offload: bool | str = False) -> tu
     return row.peak_mem_gib, int(plan[1]), float(plan[4])
 
 
-def test_the_plan_for_a_budget_fits_it_at_long_context(tmp_path):
-    kept_all, none_recomputed, _ = planned_step(tmp_path, 70.0)
+@pytest.mark.parametrize("tokens", [32_768, 131_072])
+def test_the_plan_for_a_budget_fits_it_at_long_context(tmp_path, tokens):
+    kept_all, none_recomputed, _ = planned_step(tmp_path, tokens, 70.0)
     assert none_recomputed == 0
-    recomputed_all, every_layer, _ = planned_step(tmp_path, 0.01)  # below anything: every layer recomputed
+    recomputed_all, every_layer, _ = planned_step(tmp_path, tokens, 0.01)  # below anything: every layer recomputed
     assert every_layer == LAYERS and recomputed_all < kept_all / 2
-    print(f"\n{TOKENS} tokens: every layer kept {kept_all:.2f} GiB, every layer recomputed {recomputed_all:.2f} GiB")
+    print(f"\n{tokens} tokens: every layer kept {kept_all:.2f} GiB, every layer recomputed {recomputed_all:.2f} GiB")
     for share in (0.3, 0.6):
         budget = recomputed_all + share * (kept_all - recomputed_all)
-        peak, recomputed, predicted = planned_step(tmp_path, budget)
+        peak, recomputed, predicted = planned_step(tmp_path, tokens, budget)
         print(f"budget {budget:.2f} GiB: {recomputed} of {LAYERS} recomputed, predicted {predicted:.2f}, "
               f"measured {peak:.2f} GiB")
         assert 0 < recomputed < LAYERS

@@ -882,9 +882,10 @@ class Recipe:
             if self.model.dtype not in ("auto", "bfloat16"):
                 problems.append(("train.precision", f"fp8 runs over bf16 weights; model.dtype is "
                                  f"{self.model.dtype}: use bfloat16 (or auto)"))
-            if self.kernels.mlp_chunk_tokens is not None:
-                problems.append(("kernels.mlp_chunk_tokens", "not with train.precision: fp8 (each decoder "
-                                 "layer is one compiled region there): drop one of the two"))
+            if self.kernels.mlp_chunk_tokens is not None and self.trains_model_weights:
+                problems.append(("kernels.mlp_chunk_tokens", "not with train.precision: fp8 over weights "
+                                 "that train (torchao's layers run compiled there): drop one of the two "
+                                 "(a frozen base, LoRA's, takes both)"))
         if self.model.quantization is not None and self.lora is None:
             problems.append(("model.quantization", f"a quantized base ({self.model.quantization}) is frozen: "
                              "train LoRA adapters over it (add a `lora` section, e.g. `--set lora.r=16`)"))

@@ -127,3 +127,37 @@ def test_a_frozen_base_in_fp8_is_built_in_float8(tmp_path, monkeypatch, sections
     linears = sum(type(m) is torch.nn.Linear for m in built.module.modules())
     assert float8_layers(built.module) == 7 * 2 and linears > 0  # the adapters and the output layer stay
     assert all(p.requires_grad == ("lora_" in n) for n, p in built.module.named_parameters())  # none for Medusa
+
+
+def test_mlps_in_chunks_run_over_a_float8_base_as_whole_ones():
+    """`kernels.mlp_chunk_tokens` over a float8 base (LoRA's): each token's cast has its own scale, so
+    chunks of tokens give the whole MLPs' loss and adapter gradients."""
+    from ligertune.models import patch_model
+
+    results = []
+    for chunk in (None, 8):
+        model = make_model("llama", attention="sdpa", dtype=torch.bfloat16)
+        patch_model(model, mlp_chunk_tokens=chunk)
+        torch.manual_seed(1)  # the same adapters for both
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                           task_type="CAUSAL_LM"), autocast_adapter_dtype=False)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
+        freeze_to_float8(model)
+        patch_lora(model)
+        results.append(loss_and_grads(model, batch()))
+    (want_loss, want), (got_loss, got) = results
+    assert relative_error(got_loss, want_loss) < 1e-6
+    for name in want:  # the adapters' gradients add up over the chunks in bf16
+        assert relative_error(got[name], want[name]) < 1e-2, name
+
+
+def test_mlp_chunks_with_fp8_are_refused_only_where_weights_train(tmp_path):
+    from ligertune.errors import UserError
+
+    sections = {"model": {"dtype": "bfloat16"}, "kernels": {"mlp_chunk_tokens": 64}}
+    load_recipe(write_recipe(tmp_path / "lora", lora={"r": 4}, **sections), ["train.precision=fp8"])
+    with pytest.raises(UserError, match="kernels.mlp_chunk_tokens"):
+        load_recipe(write_recipe(tmp_path / "full", **sections), ["train.precision=fp8"])

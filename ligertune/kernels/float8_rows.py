@@ -25,7 +25,7 @@ from ligertune.kernels.types import AMAX_FLOOR, FLOAT8, FLOAT8_MAX
 def _round_to_e4m3(v):
     """v (float32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, still in float32, so
     that the cast after it is exact whatever performs it (Triton's interpreter rounds up without
-    carrying into the exponent: 31.5 became 16). At 3 bits of mantissa from 2^-6 up (float32 keeps
+    carrying into the exponent: -31.51 became -16). At 3 bits of mantissa from 2^-6 up (float32 keeps
     23: add half a unit of the 20 dropped bits, plus the kept last bit for ties, and clear them; a
     carry moves the exponent, as it should); below, e4m3 is subnormal, a multiple of 2^-9 (adding
     and subtracting 1.5 * 2^14 leaves v rounded to that grid)."""

@@ -156,13 +156,16 @@ class Float8FrozenLinear(nn.Module):
 def freeze_to_float8(model: nn.Module) -> int:
     """Replace every frozen `nn.Linear` of the decoder (no trainable weight; not the output projection
     nor a layer tied to the embeddings; sides multiples of 16, as float8 GEMMs need) by a
-    `Float8FrozenLinear`, in place, under LoRA's wrappers too; return how many."""
+    `Float8FrozenLinear`, in place, under LoRA's wrappers too; return how many. A layer that
+    `lora.modules_to_save` copies keeps its original as it is: with the adapters off (a reference
+    pass) the original runs again, and the output projection's is read as a matrix by the loss."""
     tied = {id(m.weight) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None}
     chosen = [
         (parent, name, child)
         for parent in model.modules() for name, child in parent.named_children()
         if type(child) is nn.Linear and not child.weight.requires_grad and id(child.weight) not in tied
         and child.in_features % 16 == 0 and child.out_features % 16 == 0
+        and type(parent).__name__ != "ModulesToSaveWrapper"  # peft's
     ]
     for parent, name, child in chosen:
         setattr(parent, name, Float8FrozenLinear(child))

@@ -161,3 +161,17 @@ def test_mlp_chunks_with_fp8_are_refused_only_where_weights_train(tmp_path):
     load_recipe(write_recipe(tmp_path / "lora", lora={"r": 4}, **sections), ["train.precision=fp8"])
     with pytest.raises(UserError, match="kernels.mlp_chunk_tokens"):
         load_recipe(write_recipe(tmp_path / "full", **sections), ["train.precision=fp8"])
+
+
+def test_a_layer_that_lora_copies_to_train_keeps_its_original():
+    """`lora.modules_to_save`: peft trains a copy and keeps the original for the adapters-off path (a
+    DPO reference pass), where the loss reads the output projection as a matrix: it stays bf16."""
+    model = make_model("llama", attention="sdpa", dtype=torch.bfloat16)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", modules_to_save=["lm_head"],
+                           task_type="CAUSAL_LM")
+    model = peft.get_peft_model(model, lora, autocast_adapter_dtype=False)
+    assert freeze_to_float8(model) == 7 * LAYERS
+    wrapper = model.base_model.model.lm_head
+    assert type(wrapper.original_module) is torch.nn.Linear
+    with model.disable_adapter():
+        assert torch.isfinite(model(batch()).logits).all()

@@ -47,6 +47,38 @@ JSD: tl.constexpr = tl.constexpr(2)
 
 
 @triton.jit
+def _log_probs(s_row, t_row, start, V, m_s, m_t, log_norm_s, log_norm_t, inv_temperature, softcap,
+               teacher_softcap, BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+               HAS_TEACHER_SOFTCAP: tl.constexpr):
+    """The block of a row's student and teacher logits from column `start`, as passes 2 and 3 read
+    it: its columns and their mask, the student's (capped) logits z_s, tanh(z / c) of its cap (the
+    cap's gradient needs it; 0 without a cap), and log Q and log P at the temperature, from pass 1's
+    maxima and normalizers."""
+    cols = start + tl.arange(0, BLOCK_V)
+    mask = cols < V
+    b_zs = tl.load(s_row + cols, mask=mask, other=0.0).to(tl.float32)
+    b_zt = tl.load(t_row + cols, mask=mask, other=0.0).to(tl.float32)
+    b_ts = tl.zeros_like(b_zs)
+    if HAS_SOFTCAP:
+        b_ts = _tanh(b_zs * (1.0 / softcap))
+        b_zs = softcap * b_ts
+    if HAS_TEACHER_SOFTCAP:
+        b_zt = teacher_softcap * _tanh(b_zt * (1.0 / teacher_softcap))
+    b_log_q = (b_zs - m_s) * inv_temperature - log_norm_s
+    b_log_p = (b_zt - m_t) * inv_temperature - log_norm_t
+    return cols, mask, b_zs, b_ts, b_log_q, b_log_p
+
+
+@triton.jit
+def _log_m(log_p, log_q, log_beta, log_one_minus_beta):
+    """log M, M = beta P + (1 - beta) Q, as logsumexp(log beta + log P, log(1 - beta) + log Q): M
+    itself may underflow."""
+    a = log_p + log_beta
+    b = log_q + log_one_minus_beta
+    return tl.maximum(a, b) + tl.log(1.0 + tl.exp(-tl.abs(a - b)))
+
+
+@triton.jit
 def _fused_linear_divergence_fwd_kernel(
     student_ptr,  # [rows, V] the student's raw logits; overwritten with d loss / d logits if COMPUTE_GRAD
     stride_student,
@@ -144,16 +176,9 @@ def _fused_linear_divergence_fwd_kernel(
         if DIVERGENCE != FORWARD_KL or not COMPUTE_GRAD:
             kl_pm = 0.0
             for start in range(0, V, BLOCK_V):
-                cols = start + tl.arange(0, BLOCK_V)
-                mask = cols < V
-                b_zs = tl.load(s_row + cols, mask=mask, other=0.0).to(tl.float32)
-                b_zt = tl.load(t_row + cols, mask=mask, other=0.0).to(tl.float32)
-                if HAS_SOFTCAP:
-                    b_zs = softcap * _tanh(b_zs * inv_softcap)
-                if HAS_TEACHER_SOFTCAP:
-                    b_zt = teacher_softcap * _tanh(b_zt * inv_teacher_softcap)
-                b_log_q = (b_zs - m_s) * inv_temperature - log_norm_s
-                b_log_p = (b_zt - m_t) * inv_temperature - log_norm_t
+                cols, mask, b_zs, b_ts, b_log_q, b_log_p = _log_probs(
+                    s_row, t_row, start, V, m_s, m_t, log_norm_s, log_norm_t, inv_temperature, softcap,
+                    teacher_softcap, BLOCK_V, HAS_SOFTCAP, HAS_TEACHER_SOFTCAP)
                 # A term whose probability is 0 (masked, or underflowed) is 0: 0 log 0 = 0.
                 if DIVERGENCE == FORWARD_KL:
                     b_p = tl.exp(b_log_p)
@@ -162,10 +187,7 @@ def _fused_linear_divergence_fwd_kernel(
                     b_q = tl.exp(b_log_q)
                     div += tl.sum(tl.where(mask & (b_q > 0.0), b_q * (b_log_q - b_log_p), 0.0), axis=0)
                 else:
-                    # log M = logsumexp(log beta + log P, log(1 - beta) + log Q): M itself may underflow.
-                    b_a = b_log_p + log_beta
-                    b_b = b_log_q + log_one_minus_beta
-                    b_log_m = tl.maximum(b_a, b_b) + tl.log(1.0 + tl.exp(-tl.abs(b_a - b_b)))
+                    b_log_m = _log_m(b_log_p, b_log_q, log_beta, log_one_minus_beta)
                     b_p = tl.exp(b_log_p)
                     b_q = tl.exp(b_log_q)
                     kl_pm += tl.sum(tl.where(mask & (b_p > 0.0), b_p * (b_log_p - b_log_m), 0.0), axis=0)
@@ -183,17 +205,9 @@ def _fused_linear_divergence_fwd_kernel(
             coef_div = coef * (1.0 - ce_weight) * inv_temperature
             coef_ce = coef * ce_weight
             for start in range(0, V, BLOCK_V):
-                cols = start + tl.arange(0, BLOCK_V)
-                mask = cols < V
-                b_zs = tl.load(s_row + cols, mask=mask, other=0.0).to(tl.float32)
-                b_zt = tl.load(t_row + cols, mask=mask, other=0.0).to(tl.float32)
-                if HAS_SOFTCAP:
-                    b_ts = _tanh(b_zs * inv_softcap)
-                    b_zs = softcap * b_ts
-                if HAS_TEACHER_SOFTCAP:
-                    b_zt = teacher_softcap * _tanh(b_zt * inv_teacher_softcap)
-                b_log_q = (b_zs - m_s) * inv_temperature - log_norm_s
-                b_log_p = (b_zt - m_t) * inv_temperature - log_norm_t
+                cols, mask, b_zs, b_ts, b_log_q, b_log_p = _log_probs(
+                    s_row, t_row, start, V, m_s, m_t, log_norm_s, log_norm_t, inv_temperature, softcap,
+                    teacher_softcap, BLOCK_V, HAS_SOFTCAP, HAS_TEACHER_SOFTCAP)
                 b_q = tl.exp(b_log_q)
                 if DIVERGENCE == FORWARD_KL:
                     b_p = tl.exp(b_log_p)
@@ -202,9 +216,7 @@ def _fused_linear_divergence_fwd_kernel(
                 elif DIVERGENCE == REVERSE_KL:
                     b_g = tl.where(b_q > 0.0, b_q * (b_log_q - b_log_p - div), 0.0)
                 else:
-                    b_a = b_log_p + log_beta
-                    b_b = b_log_q + log_one_minus_beta
-                    b_log_m = tl.maximum(b_a, b_b) + tl.log(1.0 + tl.exp(-tl.abs(b_a - b_b)))
+                    b_log_m = _log_m(b_log_p, b_log_q, log_beta, log_one_minus_beta)
                     b_g = tl.where(b_q > 0.0, (1.0 - beta) * b_q * (b_log_q - b_log_m - kl_qm), 0.0)
                 b_g = coef_div * b_g
                 if HAS_CE:

@@ -105,6 +105,16 @@ def convert_to_float8(model: nn.Module, scaling: str = "tensorwise", *, emulate:
     return len(converted)
 
 
+def _scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """(a scale_a) (b scale_b) for float8 `a` (m, k) and `b` (k, n), scales (m, 1) and (1, n): on a
+    GPU the float8 tensor cores' GEMM; elsewhere the same product of the same float8 values in
+    float32 (torch's CPU float8 GEMM takes one scale per tensor in some releases)."""
+    if a.is_cuda:
+        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
+
+
 class _FrozenFloat8Matmul(torch.autograd.Function):
     """y = x W^T over a float8 weight (`Float8FrozenLinear`); the gradient of x only."""
 
@@ -115,8 +125,7 @@ class _FrozenFloat8Matmul(torch.autograd.Function):
         # are: through save_for_backward the memory planner's count of what a layer saves
         # (`training.memory.SavedBytes`) would take them for activations.
         ctx.weight, ctx.weight_scale, ctx.out_dtype = weight, weight_scale, x.dtype
-        return torch._scaled_mm(q, weight.t(), scale_a=scale[:, None], scale_b=weight_scale[None, :],
-                                out_dtype=x.dtype)
+        return _scaled_matmul(q, weight.t(), scale[:, None], weight_scale[None, :], x.dtype)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -124,8 +133,7 @@ class _FrozenFloat8Matmul(torch.autograd.Function):
         q, scale = quantize_rows(dy, weight_scale)
         ones = torch.ones(1, weight.shape[1], dtype=torch.float32, device=weight.device)
         # the second operand of a float8 GEMM is read column-major: W's transpose, laid out row-major
-        dx = torch._scaled_mm(q, weight.t().contiguous().t(), scale_a=scale[:, None], scale_b=ones,
-                              out_dtype=ctx.out_dtype)
+        dx = _scaled_matmul(q, weight.t().contiguous().t(), scale[:, None], ones, ctx.out_dtype)
         return dx, None, None
 
 

@@ -1,8 +1,8 @@
 """A frozen base in float8 (`train.precision: fp8` under LoRA, `Float8FrozenLinear`): the GEMMs are
 exactly those of the float8 operands with their scales (checked against float64 products of the
 dequantized operands), close to bf16's, with no gradient and no activation kept for the weight; and
-LoRA trains over it as over a bf16 base. torch's float8 GEMM runs on the CPU too; on a GPU it is the
-float8 tensor cores' (tests/gpu/test_gpu_fp8.py)."""
+LoRA trains over it as over a bf16 base. On the CPU the layer multiplies the same float8 values in
+float32; on a GPU the float8 tensor cores do (tests/gpu/test_gpu_float8_frozen.py)."""
 
 from __future__ import annotations
 

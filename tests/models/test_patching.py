@@ -120,7 +120,7 @@ def test_unpatch_restores_the_original(family, packed_batch, kernel_calls):
     assert isinstance(getattr(modeling, spec.rope), _RopeRedirect), "still in use by the other model"
     unpatch_model(other)
     after = getattr(modeling, spec.rope)
-    if isinstance(before, _RopeRedirect):  # another test's patched model of the family is still alive
+    if isinstance(after, _RopeRedirect):  # another test's patched model of the family is still alive
         assert model not in after.models and other not in after.models
     else:
         assert after is original_rope

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ligertune.models.float8 import Float8FrozenLinear
+
 PEAK_BF16_TFLOPS = (
     # (substring of the device name, dense bf16 TFLOP/s from the data sheet); first match wins.
     ("H100 PCIe", 756.0),
@@ -70,10 +72,11 @@ class StepFlops:
         config = model.config
         matmul = trained = 0
         for module in model.modules():
-            if isinstance(module, nn.Linear):  # bitsandbytes' 4- and 8-bit layers are nn.Linear too
+            # bitsandbytes' 4- and 8-bit layers are nn.Linear too; a float8 frozen layer never trains
+            if isinstance(module, (nn.Linear, Float8FrozenLinear)):
                 weights = module.in_features * module.out_features
                 matmul += weights
-                trained += weights if module.weight.requires_grad else 0
+                trained += weights if isinstance(module, nn.Linear) and module.weight.requires_grad else 0
         heads = int(config.num_attention_heads)
         return cls(
             matmul_params=matmul,

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ligertune.errors import UserError
+from ligertune.models.float8 import Float8FrozenLinear
 from ligertune.quiet import quiet_optional_libraries
 
 QUANTIZATIONS = ("nf4", "int8")
@@ -139,11 +140,14 @@ def quantization_of(model: nn.Module) -> str | None:
 
 def parameter_count(model: nn.Module) -> int:
     """The parameters of `model` (a tied weight once), each quantized weight counted as the
-    out x in matrix it stands for: bitsandbytes packs two 4-bit codes into each stored byte."""
+    out x in matrix it stands for: bitsandbytes packs two 4-bit codes into each stored byte, and a
+    float8 frozen layer holds its weight as a buffer."""
     total = sum(p.numel() for p in model.parameters())
     for module in model.modules():
         if layer_quantization(module) is not None:
             total += module.in_features * module.out_features - module.weight.numel()
+        elif isinstance(module, Float8FrozenLinear):
+            total += module.weight.numel()
     return total
 
 

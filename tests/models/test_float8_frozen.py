@@ -15,9 +15,11 @@ import torch.nn.functional as F
 from tiny_models import make_model
 from tiny_recipe import write_recipe
 
+from ligertune.flops import StepFlops
 from ligertune.kernels import quantize_rows
 from ligertune.models.float8 import Float8FrozenLinear, float8_layers, freeze_to_float8
 from ligertune.models.lora import patch_lora
+from ligertune.models.quantize import parameter_count
 from ligertune.numerics import relative_error
 from ligertune.recipe import load_recipe
 
@@ -109,6 +111,14 @@ def test_lora_over_a_float8_base_trains_as_over_bf16(fast):
     assert grads.keys() == grads0.keys() and all("lora_" in n for n in grads)
     for name in grads:
         assert relative_error(grads[name], grads0[name]) < 0.25, name
+
+
+def test_a_float8_base_counts_as_the_model_it_stands_for():
+    """The parameter count and the flops behind MFU see a float8 layer's weight, held as a buffer."""
+    model = lora_model()
+    before = parameter_count(model), StepFlops.of(model)
+    freeze_to_float8(model)
+    assert (parameter_count(model), StepFlops.of(model)) == before
 
 
 @pytest.mark.parametrize("sections", [{"lora": {"r": 4}}, {"objective": {"name": "medusa"}}], ids=["lora", "medusa"])

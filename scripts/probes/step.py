@@ -3,14 +3,16 @@
 Findings: docs/PERF.md, "Where the step goes" (under "One training step") and "Low-memory chunk
 budget" (under "Fused linear cross-entropy").
 
-    python3 scripts/probes/step.py step [RECIPE]  # (recipes/bench/llama-3.2-1b.yaml) one step of each variant
+    python3 scripts/probes/step.py step [RECIPE] [--set KEY=VALUE ...] [--no-peers]  # one step of each variant
     python3 scripts/probes/step.py chunks   # fused loss, forward + backward, at several chunk budgets
 
-`step` runs `bench step`'s variants (ligertune, HF, HF + Liger when importable) and, after two
-warm-up steps of each, one more step under the profiler and one under the allocator's history:
+`step` runs `bench step`'s variants (ligertune, HF, HF + Liger when importable) of RECIPE
+(recipes/bench/llama-3.2-1b.yaml) and, after two warm-up steps of each, one more step under the
+profiler and one under the allocator's history:
 
-- device time by kernel kind (GEMMs and attention, the loss's row kernel, norms, RoPE, SwiGLU,
-  optimizer, copies and elementwise kernels);
+- device time by kernel kind (GEMMs in bf16 and in float8, the casts to float8, attention, the
+  loss's row kernel, norms, RoPE, SwiGLU, optimizer, copies and elementwise kernels), and the
+  kernels that took the most;
 - peak memory by phase (forward, backward, clipping + optimizer step);
 - at the step's peak, the live allocations by the line of Python that made them.
 
@@ -20,6 +22,7 @@ warm-up steps of each, one more step under the profiler and one under the alloca
 
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 import time
@@ -36,6 +39,8 @@ CHUNK_MIB = (64, 96, 120, 128, 1024)
 
 KINDS = [  # first match wins
     ("attention", r"sdpa|flash|fmha|attention"),
+    ("float8 cast", r"quantize_rows"),
+    ("GEMM float8", r"e4m3|e5m2|f8f8|fp8"),
     ("GEMM", r"nvjet|gemm|cutlass|xmma"),
     ("loss rows", r"cross_entropy"),
     ("norm", r"rms_norm"),
@@ -50,16 +55,19 @@ def kind_of(kernel: str) -> str:
     return next((kind for kind, pattern in KINDS if re.search(pattern, kernel, re.IGNORECASE)), "other")
 
 
-def profile_kinds(step) -> dict[str, float]:
+def profile_kinds(step) -> tuple[dict[str, float], list[tuple[str, float, int]]]:
+    """Device ms by kernel kind, and the kernels by device ms: (name, ms, calls)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
     by_kind: dict[str, float] = defaultdict(float)
+    kernels = []
     for event in prof.key_averages():
         by_kind[kind_of(event.key)] += event.device_time_total / 1e3
-    return dict(by_kind)
+        kernels.append((event.key, event.device_time_total / 1e3, event.count))
+    return dict(by_kind), sorted(kernels, key=lambda k: -k[1])
 
 
 def _site(frames) -> str:
@@ -95,7 +103,7 @@ def peak_allocations(step) -> tuple[float, list[tuple[str, float, int]]]:
     return peak / 2**30, ranked
 
 
-def probe_step(recipe: Path = RECIPE) -> None:
+def probe_step(recipe: Path, overrides: list[str], peers: bool) -> None:
     from ligertune.bench import step as bench_step
     from ligertune.recipe import load_recipe
 
@@ -133,10 +141,12 @@ def probe_step(recipe: Path = RECIPE) -> None:
             finally:
                 torch.Tensor.backward = original[1]
                 recording[0] = False
-            kinds = profile_kinds(step)
+            kinds, kernels = profile_kinds(step)
             peak, sites = peak_allocations(step)
             print(f"\n{name}: {sum(kinds.values()):.1f} ms of kernels: "
                   + ", ".join(f"{k} {v:.1f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))
+            for kernel, ms, calls in kernels[:12]:
+                print(f"    {ms:8.2f} ms {calls:5d}x  {kernel[:110]}")
             print("  peak GiB by phase: " + ", ".join(f"{p} {g:.2f}" for p, g in phases))
             print(f"  at the peak ({base:.2f} GiB before the step + {peak:.2f}), live by site:")
             for site, mib, count in sites[:12]:
@@ -146,8 +156,9 @@ def probe_step(recipe: Path = RECIPE) -> None:
     bench_step.StepBench._time = probe
     finished = torch.optim.optimizer.register_optimizer_step_post_hook(finish)
     try:
-        config = bench_step.StepBenchConfig(steps=3, warmup=1, chat=False, measure_matmul=False)
-        report = bench_step.run_step_bench(load_recipe(recipe), config)
+        config = bench_step.StepBenchConfig(steps=3, warmup=1, chat=False, peers=peers,
+                                                measure_matmul=False)
+        report = bench_step.run_step_bench(load_recipe(recipe, overrides), config)
     finally:
         bench_step.StepBench._time = original[0]
         finished.remove()
@@ -188,9 +199,14 @@ def probe_chunks() -> None:
 if __name__ == "__main__":
     if not torch.cuda.is_available():
         sys.exit("this probe needs CUDA")
-    what = sys.argv[1] if len(sys.argv) > 1 else "step"
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", nargs="?", default="step", choices=("step", "chunks"))
+    parser.add_argument("recipe", nargs="?", type=Path, default=RECIPE)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--no-peers", dest="peers", action="store_false", help="ligertune's variant only")
+    args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}")
-    if what == "step":
-        probe_step(Path(sys.argv[2]) if len(sys.argv) > 2 else RECIPE)
+    if args.what == "step":
+        probe_step(args.recipe, args.overrides, args.peers)
     else:
         probe_chunks()

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
 from ligertune.bench.timing import measure
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "bench" / "llama-3.2-1b.yaml"
@@ -154,7 +156,7 @@ def probe_step(recipe: Path, overrides: list[str], peers: bool) -> None:
         return original[0](self, name, layout, steps, *args, **kwargs)
 
     bench_step.StepBench._time = probe
-    finished = torch.optim.optimizer.register_optimizer_step_post_hook(finish)
+    finished = register_optimizer_step_post_hook(finish)
     try:
         config = bench_step.StepBenchConfig(steps=3, warmup=1, chat=False, peers=peers,
                                                 measure_matmul=False)

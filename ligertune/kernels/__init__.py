@@ -26,6 +26,7 @@ __all__ = [
     "quantize_rows",
     "rms_norm",
     "swiglu",
+    "transpose_float8",
 ]
 
 _PATHS = ("triton", "reference")
@@ -143,3 +144,9 @@ def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tup
     """A 2-D tensor to float8 (e4m3) with one scale per row: (q, scale [rows] float32), x ~ q * scale
     (times `col_scale` elementwise first, when given); see `float8_rows`."""
     return _impl("quantize_rows", x.device)(x, col_scale)
+
+
+def transpose_float8(x: torch.Tensor) -> torch.Tensor:
+    """The transpose of a contiguous 2-D float8 tensor, contiguous: the layout a float8 GEMM reads
+    its second operand in."""
+    return _impl("transpose_float8", x.device)(x)

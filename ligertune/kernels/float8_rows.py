@@ -1,5 +1,6 @@
 """Rows to float8 with a scale per row: the activations and gradients of the frozen float8 layers
-(`ligertune.models.float8.Float8FrozenLinear`).
+(`ligertune.models.float8.Float8FrozenLinear`); and the transpose of a float8 matrix, which their
+backward needs (a float8 GEMM reads its second operand column-major only).
 
 For a row x (times `col_scale` elementwise, when given), with E = 448 the largest e4m3 value:
 
@@ -79,3 +80,27 @@ def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tup
             num_warps=8 if block >= 2048 else 4,
         )
     return q, scale
+
+
+@triton.jit
+def _transpose_kernel(x_ptr, out_ptr, rows, cols, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    c = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = (r[:, None] < rows) & (c[None, :] < cols)
+    tile = tl.load(x_ptr + r[:, None] * cols + c[None, :], mask=mask)
+    tl.store(out_ptr + c[:, None] * rows + r[None, :], tl.trans(tile), mask=tl.trans(mask))
+
+
+def transpose_float8(x: torch.Tensor) -> torch.Tensor:
+    """The transpose of a contiguous 2-D float8 `x`, contiguous: square tiles, each read along its
+    rows and written along its columns' rows, where torch's strided copy moves a byte at a time."""
+    if x.dim() != 2 or not x.is_contiguous():
+        raise ValueError(f"transpose_float8: expected a contiguous 2-D tensor, got shape {tuple(x.shape)}")
+    rows, cols = x.shape
+    out = torch.empty(cols, rows, dtype=x.dtype, device=x.device)
+    if x.numel():
+        block = 64
+        # the bytes as bytes: a load and a store, no conversion
+        _transpose_kernel[(triton.cdiv(rows, block), triton.cdiv(cols, block))](
+            x.view(torch.uint8), out.view(torch.uint8), rows, cols, BLOCK=block, num_warps=4)
+    return out

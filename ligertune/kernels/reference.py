@@ -468,3 +468,10 @@ def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tup
     amax = xf.abs().amax(dim=1, keepdim=True).clamp_min(AMAX_FLOOR)
     q = (xf * (FLOAT8_MAX / amax)).clamp_(-FLOAT8_MAX, FLOAT8_MAX).to(FLOAT8)
     return q, (amax / FLOAT8_MAX).squeeze(1)
+
+
+def transpose_float8(x: torch.Tensor) -> torch.Tensor:
+    """The transpose of a contiguous 2-D float8 `x`, contiguous."""
+    if x.dim() != 2 or not x.is_contiguous():
+        raise ValueError(f"transpose_float8: expected a contiguous 2-D tensor, got shape {tuple(x.shape)}")
+    return x.t().contiguous()

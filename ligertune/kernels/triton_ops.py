@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ligertune.kernels.cross_entropy import fused_linear_cross_entropy
 from ligertune.kernels.divergence import fused_linear_divergence
-from ligertune.kernels.float8_rows import quantize_rows
+from ligertune.kernels.float8_rows import quantize_rows, transpose_float8
 from ligertune.kernels.glu import swiglu
 from ligertune.kernels.lion import lion_step
 from ligertune.kernels.norm import rms_norm
@@ -15,5 +15,5 @@ from ligertune.kernels.rope import apply_rope
 
 __all__ = [
     "apply_rope", "fused_linear_cross_entropy", "fused_linear_divergence", "lion_step", "quantize_rows", "rms_norm",
-    "swiglu",
+    "swiglu", "transpose_float8",
 ]

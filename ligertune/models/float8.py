@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ligertune.errors import UserError
-from ligertune.kernels import quantize_rows
+from ligertune.kernels import quantize_rows, transpose_float8
 from ligertune.quiet import quiet_optional_libraries
 
 EXTRA = "fp8"
@@ -133,7 +133,7 @@ class _FrozenFloat8Matmul(torch.autograd.Function):
         q, scale = quantize_rows(dy, weight_scale)
         ones = torch.ones(1, weight.shape[1], dtype=torch.float32, device=weight.device)
         # the second operand of a float8 GEMM is read column-major: W's transpose, laid out row-major
-        dx = _scaled_matmul(q, weight.t().contiguous().t(), scale[:, None], ones, ctx.out_dtype)
+        dx = _scaled_matmul(q, transpose_float8(weight).t(), scale[:, None], ones, ctx.out_dtype)
         return dx, None, None
 
 

@@ -41,8 +41,8 @@ CHUNK_MIB = (64, 96, 120, 128, 1024)
 
 KINDS = [  # first match wins
     ("attention", r"sdpa|flash|fmha|attention"),
-    ("float8 cast", r"quantize_rows"),
-    ("GEMM float8", r"e4m3|e5m2|f8f8|fp8"),
+    ("float8 cast", r"quantize_rows|transpose_kernel|float8_copy"),
+    ("GEMM float8", r"nvjet_sm90_qq|e4m3|e5m2|f8f8"),
     ("GEMM", r"nvjet|gemm|cutlass|xmma"),
     ("loss rows", r"cross_entropy"),
     ("norm", r"rms_norm"),
@@ -147,8 +147,9 @@ def probe_step(recipe: Path, overrides: list[str], peers: bool) -> None:
             peak, sites = peak_allocations(step)
             print(f"\n{name}: {sum(kinds.values()):.1f} ms of kernels: "
                   + ", ".join(f"{k} {v:.1f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))
-            for kernel, ms, calls in kernels[:12]:
-                print(f"    {ms:8.2f} ms {calls:5d}x  {kernel[:110]}")
+            others = [k for k in kernels if kind_of(k[0]) == "other"]
+            for kernel, ms, calls in kernels[:12] + others[:4]:
+                print(f"    {ms:8.2f} ms {calls:5d}x  {kind_of(kernel):12} {kernel[:100]}")
             print("  peak GiB by phase: " + ", ".join(f"{p} {g:.2f}" for p, g in phases))
             print(f"  at the peak ({base:.2f} GiB before the step + {peak:.2f}), live by site:")
             for site, mib, count in sites[:12]:

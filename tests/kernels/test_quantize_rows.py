@@ -7,7 +7,7 @@ import pytest
 import torch
 from kernel_testing import DEVICE
 
-from ligertune.kernels import quantize_rows
+from ligertune.kernels import quantize_rows, transpose_float8
 
 
 def rows_of_many_ranges(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
@@ -80,3 +80,11 @@ def test_rounding_is_to_nearest_ties_to_even_across_binades(kernel_path):
 def test_only_matrices(kernel_path):
     with pytest.raises(ValueError, match="2-D"):
         quantize_rows(torch.ones(2, 3, 4, device=DEVICE))
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (100, 37), (1, 300), (130, 1), (0, 5)])
+def test_the_float8_transpose_is_torchs_bit_for_bit(kernel_path, shape):
+    q, _ = quantize_rows(rows_of_many_ranges(max(shape[0], 1), shape[1], torch.float32)[: shape[0]])
+    out = transpose_float8(q)
+    assert out.shape == shape[::-1] and out.dtype == q.dtype and out.is_contiguous()
+    assert torch.equal(out.view(torch.uint8), q.t().contiguous().view(torch.uint8))

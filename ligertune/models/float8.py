@@ -14,7 +14,8 @@ conversion, to e4m3 with a scale per output channel and frees the bf16 weight (h
 weight has no gradient, so it runs two float8 GEMMs where torchao's `Float8Linear` runs three (it
 computes the weight's gradient whether the weight trains or not) and keeps no activation for it.
 Only the activations and the output gradients are cast at each call, a scale per token
-(`ligertune.kernels.quantize_rows`, one pass each):
+(`ligertune.kernels.quantize_rows`, one pass each; layers that read the same activations, q, k and
+v, share one cast):
 
     forward    y  = (q_x s_x) (q_W s_W)^T            scales s_x per token, s_W per output channel
     backward   dx = q(dy * s_W) s_dy  q_W            s_W folded into dy before its cast
@@ -31,6 +32,7 @@ PyTorch's own training stack (torchtitan) uses for float8, kept in step with tor
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
@@ -115,12 +117,39 @@ def _scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scal
     return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
 
 
+class _InputCast:
+    """The float8 cast of the latest input, kept while that input lives unchanged: q, k and v (gate
+    and up) read the same activations, and cast them once. It holds the input by a weak reference
+    and lets the cast go with it."""
+
+    def __init__(self):
+        self._input: weakref.ref | None = None
+        self._key: tuple = ()
+        self._cast: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        owner = x if x._base is None else x._base  # a view's version is its base's
+        key = (x.data_ptr(), x.shape, x.stride(), x.dtype, owner._version)
+        if self._input is not None and self._input() is owner and self._key == key:
+            return self._cast
+        self._cast = quantize_rows(x)
+        self._input, self._key = weakref.ref(owner, self._forget), key
+        return self._cast
+
+    def _forget(self, reference: weakref.ref) -> None:
+        if self._input is reference:  # not a later input's
+            self._input, self._key, self._cast = None, (), None
+
+
+_cast_input = _InputCast()
+
+
 class _FrozenFloat8Matmul(torch.autograd.Function):
     """y = x W^T over a float8 weight (`Float8FrozenLinear`); the gradient of x only."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-        q, scale = quantize_rows(x)
+        q, scale = _cast_input(x)
         # Nothing of x is kept. The weight and its scales are the layer's own buffers, held as they
         # are: through save_for_backward the memory planner's count of what a layer saves
         # (`training.memory.SavedBytes`) would take them for activations.
@@ -155,7 +184,8 @@ class Float8FrozenLinear(nn.Module):
         y = _FrozenFloat8Matmul.apply(x.reshape(-1, self.in_features), self.weight, self.weight_scale)
         if self.bias is not None:
             y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+        # a 2-D input (the fast LoRA forward's) gets y itself: a view would take no in-place sum
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

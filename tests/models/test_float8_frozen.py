@@ -74,6 +74,26 @@ def test_the_weight_is_one_byte_a_value_frozen_and_not_state():
     assert saved == []  # nothing for the backward: not x, and not the weight as an activation
 
 
+def test_layers_that_read_the_same_input_cast_it_once(monkeypatch):
+    import ligertune.models.float8 as float8
+
+    casts = []
+    monkeypatch.setattr(float8, "quantize_rows", lambda x, *a: casts.append(x) or quantize_rows(x, *a))
+    layers = [Float8FrozenLinear(frozen_linear(seed=i)) for i in range(3)]
+    x = torch.randn(2, 5, 96, dtype=torch.bfloat16)
+    alone = [layer(x.clone()) for layer in layers]
+    casts.clear()
+    together = [layer(x) for layer in layers]
+    assert len(casts) == 1 and all(torch.equal(a, b) for a, b in zip(alone, together))
+    x.mul_(2)  # changed in place: cast again
+    assert torch.equal(layers[0](x), 2 * together[0]) and len(casts) == 2
+    layers[0](x[:1])  # another view of it
+    assert len(casts) == 3
+    assert not layers[0](x.view(-1, 96))._is_view()  # the fast LoRA forward sums into a 2-D output in place
+    del x, casts[:]
+    assert float8._cast_input._cast is None  # the cast goes with its input
+
+
 def batch(seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(seed))
 

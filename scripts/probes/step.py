@@ -13,6 +13,7 @@ profiler and one under the allocator's history:
 - device time by kernel kind (GEMMs in bf16 and in float8, the casts to float8, attention, the
   loss's row kernel, norms, RoPE, SwiGLU, optimizer, copies and elementwise kernels), and the
   kernels that took the most;
+- the host's time by operator (its own time, waits for the device included);
 - peak memory by phase (forward, backward, clipping + optimizer step);
 - at the step's peak, the live allocations by the line of Python that made them.
 
@@ -76,6 +77,18 @@ def _site(frames) -> str:
     ours = [f for f in frames if any(k in f["filename"] for k in ("ligertune", "transformers", "liger_kernel"))]
     f = (ours or frames or [{"filename": "(no Python frame)", "line": 0, "name": ""}])[0]
     return f"{Path(f['filename']).name}:{f['line']} {f['name']}".strip()
+
+
+def host_ops(step) -> list[tuple[str, float, int]]:
+    """The host's time by operator in one step (self time: what it did itself, waits included, as
+    in a synchronization): (name, ms, calls), the most first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+        torch.cuda.synchronize()
+    ops = [(e.key, e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()]
+    return sorted(ops, key=lambda op: -op[1])
 
 
 def peak_allocations(step) -> tuple[float, list[tuple[str, float, int]]]:
@@ -144,12 +157,16 @@ def probe_step(recipe: Path, overrides: list[str], peers: bool) -> None:
                 torch.Tensor.backward = original[1]
                 recording[0] = False
             kinds, kernels = profile_kinds(step)
+            host = host_ops(step)
             peak, sites = peak_allocations(step)
             print(f"\n{name}: {sum(kinds.values()):.1f} ms of kernels: "
                   + ", ".join(f"{k} {v:.1f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))
             others = [k for k in kernels if kind_of(k[0]) == "other"]
             for kernel, ms, calls in kernels[:12] + others[:4]:
                 print(f"    {ms:8.2f} ms {calls:5d}x  {kind_of(kernel):12} {kernel[:100]}")
+            print(f"  the host, {sum(ms for _, ms, _ in host):.1f} ms under the profiler; by operator (self time):")
+            for op, ms, calls in host[:12]:
+                print(f"    {ms:8.2f} ms {calls:5d}x  {op[:100]}")
             print("  peak GiB by phase: " + ", ".join(f"{p} {g:.2f}" for p, g in phases))
             print(f"  at the peak ({base:.2f} GiB before the step + {peak:.2f}), live by site:")
             for site, mib, count in sites[:12]:

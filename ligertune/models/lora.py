@@ -291,10 +291,13 @@ def _lora_linear_types() -> dict[type, bool]:
     """peft's LoRA Linear classes that the fast forward runs -> whether peft's forward of that class
     casts the adapter product to the output's dtype before the sum: its layers over bitsandbytes'
     4-bit and 8-bit bases do (present where bitsandbytes is installed), its plain Linear sums first."""
-    from peft.tuners.lora import bnb
     from peft.tuners.lora.layer import Linear
 
     types = {Linear: False}
+    try:
+        from peft.tuners.lora import bnb  # imports bitsandbytes, an extra
+    except ImportError:
+        return types
     for name in ("Linear4bit", "Linear8bitLt"):
         if hasattr(bnb, name):
             types[getattr(bnb, name)] = True

@@ -168,6 +168,23 @@ def test_fast_lora_equals_peft(family, targets, case):
                 oracle=float32_oracle(case, model, ids, targets_))
 
 
+def test_the_fast_path_needs_no_bitsandbytes(monkeypatch):
+    """bitsandbytes is an extra, and peft's module of LoRA layers over its bases imports it: without
+    it the fast path runs over plain layers as ever."""
+    import sys
+
+    import peft.tuners.lora
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # an import of it fails
+    monkeypatch.delitem(sys.modules, "peft.tuners.lora.bnb", raising=False)
+    monkeypatch.delattr(peft.tuners.lora, "bnb", raising=False)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    model, fast, report = wrapped_pair("llama", "bf16", lora)
+    assert report.modules == TARGETS["all-linear"]["layers"]
+    ids, targets = token_batch()
+    assert_same(logits_loss_grads(fast, ids, targets), logits_loss_grads(model, ids, targets), "bf16")
+
+
 @NEEDS_BITSANDBYTES
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("quantization", ["nf4", "int8"])

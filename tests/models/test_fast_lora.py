@@ -170,19 +170,31 @@ def test_fast_lora_equals_peft(family, targets, case):
 
 def test_the_fast_path_needs_no_bitsandbytes(monkeypatch):
     """bitsandbytes is an extra, and peft's module of LoRA layers over its bases imports it: without
-    it the fast path runs over plain layers as ever."""
+    it the fast path runs over plain layers as ever. Hidden here as if not installed: not found (what
+    peft asks, and caches) and not importable."""
     import sys
 
     import peft.tuners.lora
+    from peft.import_utils import is_bnb_4bit_available, is_bnb_available
 
-    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # an import of it fails
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "bitsandbytes" else find_spec(name, *args))
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
     monkeypatch.delitem(sys.modules, "peft.tuners.lora.bnb", raising=False)
     monkeypatch.delattr(peft.tuners.lora, "bnb", raising=False)
-    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
-    model, fast, report = wrapped_pair("llama", "bf16", lora)
-    assert report.modules == TARGETS["all-linear"]["layers"]
-    ids, targets = token_batch()
-    assert_same(logits_loss_grads(fast, ids, targets), logits_loss_grads(model, ids, targets), "bf16")
+    checks = (is_bnb_available, is_bnb_4bit_available)
+    try:
+        for check in checks:
+            check.cache_clear()
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+        model, fast, report = wrapped_pair("llama", "bf16", lora)
+        assert report.modules == TARGETS["all-linear"]["layers"]
+        ids, targets = token_batch()
+        assert_same(logits_loss_grads(fast, ids, targets), logits_loss_grads(model, ids, targets), "bf16")
+    finally:
+        for check in checks:  # asked again once bitsandbytes is back
+            check.cache_clear()
 
 
 @NEEDS_BITSANDBYTES

@@ -1,40 +1,53 @@
-"""Measures the fused linear divergence's row kernel against the GEMMs it must do, over launch
-configurations of the row kernel (a GPU).
+"""Measures the fused linear divergence against the GEMMs it must do, and where its extra time goes
+(a GPU).
 
 Findings: docs/PERF.md, the fused linear divergence (2026-11-25 and after).
 
-    python3 scripts/probes/divergence.py [--divergence jsd|forward_kl] [--repeats N]
+    python3 scripts/probes/divergence.py [--divergence jsd|forward_kl] [--repeats N] [--launch]
 
-For each of `bench kernels`' three distillation shapes (bf16, 10% of the rows ignored, 1 GiB chunks),
-the fused loss's forward + backward (`bench kernels`' ligertune row) and the four GEMMs of its floor,
-timed alike (`bench.timing.measure`, CUDA events, median). The row kernel's launch is varied:
+For each of `bench kernels`' three distillation shapes (bf16, 10% of the rows ignored), timed alike
+(`bench.timing.measure`, CUDA events, median):
 
-    programs   one per row (the default), or a fixed number that each take rows one after another:
-               fewer rows in flight at once, so that the second and third passes over a row (two
-               bf16 rows of the vocabulary, 0.5 MiB at 128k) may find it in the L2 cache (50 MiB on
-               an H100) rather than in device memory
-    num_warps  8 (the default at these vocabularies) or 16
+    floor          the four GEMMs of `bench kernels`' floor, each over all the rows at once
+    fused          the fused loss's forward + backward (`bench kernels`' ligertune row), with chunk
+                   budgets of 1 GiB (the default), 2 and 4 GiB: fewer chunks, fewer passes of the
+                   weight gradient's accumulation over its [V, H] output
+    chunked GEMMs  the fused loss's GEMMs alone, chunk by chunk as its loop runs them (both logits,
+                   grad_h, grad_W written by the first chunk and accumulated by the others), over
+                   the supervised rows, without the row kernel
+    row kernel     the row kernel alone over one 1 GiB chunk of random logits, times the number of
+                   chunks; with the bytes it moves (passes x two bf16 rows read, one written) and
+                   the bandwidth that makes
 
-The table: ms, ms over the floor's, and the extra time over the floor.
+so that fused ~ chunked GEMMs + row kernel, and the floor's distance splits into the chunking's
+share and the row kernel's. `--launch` instead varies the row kernel's launch: one program per row
+(the default) or a fixed number of programs each taking rows one after another (fewer rows in
+flight, so that a row's later passes may find it in the L2 cache), and 16 warps.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 
 import torch
 
 import ligertune.kernels.divergence as row_kernel
 from ligertune.bench.kernels import _drop_grads, _step
-from ligertune.bench.problems import DIVERGENCE_FLOOR, divergence_problem
+from ligertune.bench.problems import DIVERGENCE_FLOOR, JSD_BETA, divergence_problem
 from ligertune.bench.timing import measure
 from ligertune.devices import release_memory
+from ligertune.kernels import DivergenceOptions, fused_linear_divergence
+from ligertune.kernels.chunked_loss import _chunk_rows
 
 SHAPES = [dict(N=8192, H=4096, V=128256), dict(N=16384, H=2048, V=128256), dict(N=4096, H=3584, V=152064)]
+GIB = 1 << 30
+# row transfers of the row kernel with a gradient: passes over both rows read, and the gradient written
+ROW_TRANSFERS = {"jsd": 3 * 2 + 1, "reverse_kl": 3 * 2 + 1, "forward_kl": 2 * 2 + 1}
 
 
-def configs(sms: int) -> list[tuple[str, int | None, int | None]]:
+def launch_configs(sms: int) -> list[tuple[str, int | None, int | None]]:
     """(label, programs, num_warps); None keeps the default."""
     out = [("default", None, None)]
     for programs in (4 * sms, 2 * sms, sms, sms // 2):
@@ -54,10 +67,79 @@ def with_launch(programs: int | None, num_warps: int | None):
     return config
 
 
+def chunked_gemms(x: dict[str, torch.Tensor], rows: torch.Tensor, chunk: int):
+    """The fused loss's GEMMs alone, as its chunk loop runs them over the supervised `rows`."""
+    hidden, weight = x["hidden"].detach(), x["weight"].detach()
+    teacher_hidden, teacher_weight = x["teacher_hidden"], x["teacher_weight"]
+    n, vocab = rows.numel(), weight.shape[0]
+    student = torch.empty(min(chunk, n), vocab, dtype=hidden.dtype, device=hidden.device)
+    teacher = torch.empty_like(student)
+    grad_h, grad_w = torch.zeros_like(hidden), torch.empty_like(weight)
+
+    def run() -> None:
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            h_c, ht_c = (t.index_select(0, rows[start:end]) for t in (hidden, teacher_hidden))
+            b_s, b_t = student[: end - start], teacher[: end - start]
+            torch.mm(h_c, weight.t(), out=b_s)
+            torch.mm(ht_c, teacher_weight.t(), out=b_t)
+            grad_h.index_copy_(0, rows[start:end], b_s @ weight)
+            if start == 0:
+                torch.mm(b_s.t(), h_c, out=grad_w)
+            else:
+                grad_w.addmm_(b_s.t(), h_c)
+
+    return run
+
+
+def row_kernel_alone(rows: int, vocab: int, divergence: str, device: torch.device):
+    """One chunk of the row kernel over random logits, with a gradient."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    student = torch.randn(rows, vocab, generator=gen, device=device).to(torch.bfloat16)
+    teacher = torch.randn(rows, vocab, generator=gen, device=device).to(torch.bfloat16)
+    targets = torch.randint(0, vocab, (rows,), generator=gen, device=device)
+    values = torch.empty(rows, 4, dtype=torch.float32, device=device)
+    correct = torch.empty(rows, 2, dtype=torch.int32, device=device)
+    options = DivergenceOptions(divergence=divergence, beta=JSD_BETA, reduction="mean")
+    return lambda: row_kernel.divergence_chunk(student, teacher, targets, None, values, correct, options=options,
+                                               grad_scale=1.0 / rows, compute_grad=True)
+
+
+def split(problem, dims: dict[str, int], divergence: str, time, floor_ms: float, device: torch.device) -> None:
+    x = problem.inputs
+    vocab = dims["V"]
+    rows = (x["targets"] != -100).nonzero().squeeze(1)
+    options = DivergenceOptions(divergence=divergence, beta=JSD_BETA, reduction="mean")
+
+    for budget in (1, 2, 4):
+        opts = dataclasses.replace(options, chunk_bytes=budget * GIB)
+
+        def fused(opts=opts):
+            fused_linear_divergence(x["hidden"], x["weight"], x["teacher_hidden"], x["teacher_weight"],
+                                    x["targets"], options=opts).loss.backward()
+
+        ms = time(fused).median_ms
+        chunk = _chunk_rows(rows.numel(), vocab, 4, budget * GIB)
+        print(f"  fused, {budget} GiB chunks ({-(-rows.numel() // chunk)} of {chunk} rows)"
+              f"{ms:9.2f} ms  {ms / floor_ms:5.3f}x floor  +{ms - floor_ms:5.2f} ms")
+
+    chunk = _chunk_rows(rows.numel(), vocab, 4, GIB)
+    gemm_ms = time(chunked_gemms(x, rows, chunk)).median_ms
+    print(f"  chunked GEMMs, 1 GiB chunks        {gemm_ms:9.2f} ms  {gemm_ms / floor_ms:5.3f}x floor  "
+          f"+{gemm_ms - floor_ms:5.2f} ms")
+    one = measure(row_kernel_alone(chunk, vocab, divergence, device), device=device, warmup=2,
+                  repeats=10, memory=False).median_ms
+    chunks = rows.numel() / chunk
+    moved = ROW_TRANSFERS[divergence] * chunk * vocab * 2
+    print(f"  row kernel, {chunks:.2f} chunks of {chunk} rows {one * chunks:9.2f} ms  "
+          f"({one:.2f} ms a chunk, {moved / 1e9:.2f} GB at {moved / one / 1e6:,.0f} GB/s)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--divergence", default="jsd", choices=("jsd", "forward_kl"))
+    parser.add_argument("--divergence", default="jsd", choices=("jsd", "forward_kl", "reverse_kl"))
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--launch", action="store_true", help="vary the row kernel's launch instead")
     args = parser.parse_args()
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -70,16 +152,19 @@ def main() -> None:
         time = functools.partial(measure, device=device, warmup=2, repeats=args.repeats, memory=False,
                                  before_each=functools.partial(_drop_grads, problem))
         floor_ms = time(_step(problem, floor.run, True)).median_ms
+        floor.run.release()
         label = "x".join(str(dims[k]) for k in ("N", "H", "V"))
         print(f"\n{label}: 4 GEMMs {floor_ms:.2f} ms")
-        for name, programs, warps in configs(sms):
-            row_kernel._row_kernel_config = with_launch(programs, warps)
-            try:
-                ms = time(_step(problem, ours.run, False)).median_ms
-            finally:
-                row_kernel._row_kernel_config = default
-            print(f"  {name:28} {ms:8.2f} ms  {ms / floor_ms:5.3f}x floor  +{ms - floor_ms:5.2f} ms")
-        floor.run.release()
+        if args.launch:
+            for name, programs, warps in launch_configs(sms):
+                row_kernel._row_kernel_config = with_launch(programs, warps)
+                try:
+                    ms = time(_step(problem, ours.run, False)).median_ms
+                finally:
+                    row_kernel._row_kernel_config = default
+                print(f"  {name:28} {ms:8.2f} ms  {ms / floor_ms:5.3f}x floor  +{ms - floor_ms:5.2f} ms")
+        else:
+            split(problem, dims, args.divergence, time, floor_ms, device)
         del problem
         release_memory(device)
 

@@ -31,7 +31,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ligertune.bench.timing import measure
@@ -176,8 +175,7 @@ def probe_step(recipe: Path, overrides: list[str], peers: bool) -> None:
     bench_step.StepBench._time = probe
     finished = register_optimizer_step_post_hook(finish)
     try:
-        config = bench_step.StepBenchConfig(steps=3, warmup=1, chat=False, peers=peers,
-                                                measure_matmul=False)
+        config = bench_step.StepBenchConfig(steps=3, warmup=1, chat=False, peers=peers, measure_matmul=False)
         report = bench_step.run_step_bench(load_recipe(recipe, overrides), config)
     finally:
         bench_step.StepBench._time = original[0]

@@ -16,11 +16,15 @@ in their input dtypes computed by cuBLAS. A Triton program streams both rows in 
 program per row; fewer programs take several rows each, one after the other):
 
     pass 1  the running max of z_s and z_t, the running sums of exp(z - max) and exp((z - max) / tau)
-            for each (online log-sum-exp, Milakov & Gimelshein 2018), and the first argmax of each
-    pass 2  the row sums of the divergence: KL(Q || P) (reverse_kl), KL(P || M) and KL(Q || M) (jsd),
-            or KL(P || Q) (forward_kl, when no gradient is asked for)
+            for each (online log-sum-exp, Milakov & Gimelshein 2018), and the first argmax of each;
+            for reverse_kl the running sum of exp((z_s - max) / tau) (z_s - z_t), which gives
+            KL(Q || P) once the row's sums are known
+    pass 2  jsd only: the row sums KL(P || M) and KL(Q || M), which log M (not a running sum) needs
+            the whole row's sums for; and forward_kl's KL(P || Q) when no gradient is asked for
     pass 3  d loss / d r written over the student's row, in place (forward_kl sums its D_t here: its
-            gradient needs no row sum, so it skips pass 2)
+            gradient needs no row sum)
+
+Forward and reverse KL read each row twice; JSD three times.
 
 All of it in float32 registers: no float32 [rows, V] temporary is allocated, so the two logits
 buffers are the chunk's whole working set.
@@ -123,13 +127,15 @@ def _fused_linear_divergence_fwd_kernel(
             inv_teacher_softcap = 1.0 / teacher_softcap
             z_t_y = teacher_softcap * _tanh(z_t_y * inv_teacher_softcap)
 
-        # Pass 1: per row, max, sums of exponentials at temperatures 1 and tau, first argmax.
+        # Pass 1: per row, max, sums of exponentials at temperatures 1 and tau, first argmax; for
+        # reverse_kl also sum_v exp((z_s - m_s) / tau) (z_s - z_t), from which KL(Q || P) follows.
         m_s = float("-inf")
         m_t = float("-inf")
         sum_s = 0.0
         sum_t = 0.0
         sum_tau_s = 0.0
         sum_tau_t = 0.0
+        sum_gap = 0.0
         argmax_s = 0
         argmax_t = 0
         for start in range(0, V, BLOCK_V):
@@ -158,6 +164,9 @@ def _fused_linear_divergence_fwd_kernel(
                     tl.exp((b_zs - m_s_new) * inv_temperature), axis=0)
                 sum_tau_t = sum_tau_t * tl.exp((m_t - m_t_new) * inv_temperature) + tl.sum(
                     tl.exp((b_zt - m_t_new) * inv_temperature), axis=0)
+            if DIVERGENCE == REVERSE_KL:
+                b_gap = tl.where(mask, tl.exp((b_zs - m_s_new) * inv_temperature) * (b_zs - b_zt), 0.0)
+                sum_gap = sum_gap * tl.exp((m_s - m_s_new) * inv_temperature) + tl.sum(b_gap, axis=0)
             m_s = m_s_new
             m_t = m_t_new
         if not HAS_TEMPERATURE:
@@ -170,10 +179,16 @@ def _fused_linear_divergence_fwd_kernel(
         log_norm_s = tl.log(sum_tau_s)
         log_norm_t = tl.log(sum_tau_t)
 
-        # Pass 2: the divergence's row sums (jsd: KL(P || M) and KL(Q || M)).
+        # KL(Q || P) = sum_v Q_v (log Q_v - log P_v), log Q_v - log P_v = (z_s - z_t)_v / tau + a
+        # constant of the row, and sum_v Q_v = 1.
         div = 0.0
+        if DIVERGENCE == REVERSE_KL:
+            div = (sum_gap / sum_tau_s - (m_s - m_t)) * inv_temperature - log_norm_s + log_norm_t
+
+        # Pass 2: the divergence's row sums where pass 1 could not form them (jsd: KL(P || M) and
+        # KL(Q || M); forward_kl without a gradient, which otherwise sums it in pass 3).
         kl_qm = 0.0
-        if DIVERGENCE != FORWARD_KL or not COMPUTE_GRAD:
+        if DIVERGENCE == JSD or (DIVERGENCE == FORWARD_KL and not COMPUTE_GRAD):
             kl_pm = 0.0
             for start in range(0, V, BLOCK_V):
                 cols, mask, b_zs, b_ts, b_log_q, b_log_p = _log_probs(
@@ -183,9 +198,6 @@ def _fused_linear_divergence_fwd_kernel(
                 if DIVERGENCE == FORWARD_KL:
                     b_p = tl.exp(b_log_p)
                     div += tl.sum(tl.where(mask & (b_p > 0.0), b_p * (b_log_p - b_log_q), 0.0), axis=0)
-                elif DIVERGENCE == REVERSE_KL:
-                    b_q = tl.exp(b_log_q)
-                    div += tl.sum(tl.where(mask & (b_q > 0.0), b_q * (b_log_q - b_log_p), 0.0), axis=0)
                 else:
                     b_log_m = _log_m(b_log_p, b_log_q, log_beta, log_one_minus_beta)
                     b_p = tl.exp(b_log_p)

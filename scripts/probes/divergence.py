@@ -44,7 +44,7 @@ from ligertune.kernels.chunked_loss import _chunk_rows
 SHAPES = [dict(N=8192, H=4096, V=128256), dict(N=16384, H=2048, V=128256), dict(N=4096, H=3584, V=152064)]
 GIB = 1 << 30
 # row transfers of the row kernel with a gradient: passes over both rows read, and the gradient written
-ROW_TRANSFERS = {"jsd": 3 * 2 + 1, "reverse_kl": 3 * 2 + 1, "forward_kl": 2 * 2 + 1}
+ROW_TRANSFERS = {"jsd": 3 * 2 + 1, "reverse_kl": 2 * 2 + 1, "forward_kl": 2 * 2 + 1}
 
 
 def launch_configs(sms: int) -> list[tuple[str, int | None, int | None]]:

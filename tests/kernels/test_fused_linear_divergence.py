@@ -274,6 +274,19 @@ def test_chunk_budget_does_not_change_the_result(kernel_path, dtype):
             assert rel_err(grads[k], grads0[k]) < (1e-6 if dtype == torch.float32 else 1e-2), k
 
 
+@pytest.mark.parametrize("case", WIDE_CASES)
+def test_many_column_blocks_match_float64_definition(triton_path, monkeypatch, case):
+    """Blocks of 64 columns over a vocabulary of 1001: a row's maximum is found in a later block for
+    most rows, so every running sum is rescaled on the way (at the vocabulary of 4099 above, the
+    second block holds 3 columns and rarely the maximum)."""
+    import ligertune.kernels.divergence as triton_divergence
+
+    config = triton_divergence._row_kernel_config
+    monkeypatch.setattr(triton_divergence, "_row_kernel_config",
+                        lambda vocab, n_rows: (64, *config(vocab, n_rows)[1:]))
+    check_against_definition(13, 123, 77, 1001, torch.float32, 1e-5, 1e-5, case)
+
+
 @pytest.mark.parametrize("programs", [1, 3])
 def test_programs_that_take_several_rows_give_the_same_result(triton_path, monkeypatch, programs):
     """The row kernel's programs may take several rows each, one after the other (fewer programs

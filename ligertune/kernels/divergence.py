@@ -12,8 +12,8 @@ l_t and the gradients with respect to the student's logits:
 
 (the last factor only with a softcap c; times 1 / n_tokens for "mean"). This file is what the
 Triton path does with one chunk: the student's and the teacher's raw logits, two [rows, V] buffers
-in their input dtypes computed by cuBLAS. A Triton program streams both rows in BLOCK_V blocks (one
-program per row; fewer programs take several rows each, one after the other):
+in their input dtypes computed by cuBLAS. One Triton program per row streams both rows in BLOCK_V
+blocks:
 
     pass 1  the running max of z_s and z_t, the running sums of exp(z - max) and exp((z - max) / tau)
             for each (online log-sum-exp, Milakov & Gimelshein 2018), and the first argmax of each;
@@ -92,7 +92,6 @@ def _fused_linear_divergence_fwd_kernel(
     weights_ptr,  # [rows] float32 row weights w_t (read if HAS_WEIGHTS)
     values_ptr,  # [rows, 4] float32 out, contiguous: w_t times l_t, D_t, CE_t, CE^teacher_t
     correct_ptr,  # [rows, 2] int32 out, contiguous: the student's, the teacher's first argmax == target
-    n_rows,
     V,
     grad_scale,
     inv_temperature,
@@ -111,157 +110,156 @@ def _fused_linear_divergence_fwd_kernel(
     COMPUTE_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    # Each program takes rows program_id, program_id + programs, ... (one row each when there are as
-    # many programs as rows). int64 before the stride: rows * V passes 2^31 for a chunk of 16k rows
-    # of a 150k vocabulary.
-    for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
-        s_row = student_ptr + row * stride_student
-        t_row = teacher_ptr + row * stride_teacher
-        y = tl.load(targets_ptr + row).to(tl.int32)
-        z_s_y = tl.load(s_row + y).to(tl.float32)
-        z_t_y = tl.load(t_row + y).to(tl.float32)
+    # int64 before the stride: rows * V passes 2^31 for a chunk of 16k rows of a 150k vocabulary.
+    row = tl.program_id(0).to(tl.int64)
+    s_row = student_ptr + row * stride_student
+    t_row = teacher_ptr + row * stride_teacher
+    y = tl.load(targets_ptr + row).to(tl.int32)
+    z_s_y = tl.load(s_row + y).to(tl.float32)
+    z_t_y = tl.load(t_row + y).to(tl.float32)
+    if HAS_SOFTCAP:
+        inv_softcap = 1.0 / softcap
+        z_s_y = softcap * _tanh(z_s_y * inv_softcap)
+    if HAS_TEACHER_SOFTCAP:
+        inv_teacher_softcap = 1.0 / teacher_softcap
+        z_t_y = teacher_softcap * _tanh(z_t_y * inv_teacher_softcap)
+
+    # Pass 1: per row, max, sums of exponentials at temperatures 1 and tau, first argmax; for
+    # reverse_kl also sum_v exp((z_s - m_s) / tau) (z_s - z_t), from which KL(Q || P) follows.
+    m_s = float("-inf")
+    m_t = float("-inf")
+    sum_s = 0.0
+    sum_t = 0.0
+    sum_tau_s = 0.0
+    sum_tau_t = 0.0
+    sum_gap = 0.0
+    argmax_s = 0
+    argmax_t = 0
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        mask = cols < V
+        b_zs = tl.load(s_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        b_zt = tl.load(t_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        # The cap maps -inf to -c: masked columns back to -inf.
         if HAS_SOFTCAP:
-            inv_softcap = 1.0 / softcap
-            z_s_y = softcap * _tanh(z_s_y * inv_softcap)
+            b_zs = tl.where(mask, softcap * _tanh(b_zs * inv_softcap), float("-inf"))
         if HAS_TEACHER_SOFTCAP:
-            inv_teacher_softcap = 1.0 / teacher_softcap
-            z_t_y = teacher_softcap * _tanh(z_t_y * inv_teacher_softcap)
-
-        # Pass 1: per row, max, sums of exponentials at temperatures 1 and tau, first argmax; for
-        # reverse_kl also sum_v exp((z_s - m_s) / tau) (z_s - z_t), from which KL(Q || P) follows.
-        m_s = float("-inf")
-        m_t = float("-inf")
-        sum_s = 0.0
-        sum_t = 0.0
-        sum_tau_s = 0.0
-        sum_tau_t = 0.0
-        sum_gap = 0.0
-        argmax_s = 0
-        argmax_t = 0
-        for start in range(0, V, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)
-            mask = cols < V
-            b_zs = tl.load(s_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-            b_zt = tl.load(t_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-            # The cap maps -inf to -c: masked columns back to -inf.
-            if HAS_SOFTCAP:
-                b_zs = tl.where(mask, softcap * _tanh(b_zs * inv_softcap), float("-inf"))
-            if HAS_TEACHER_SOFTCAP:
-                b_zt = tl.where(mask, teacher_softcap * _tanh(b_zt * inv_teacher_softcap), float("-inf"))
-            b_max_s = tl.max(b_zs, axis=0)
-            b_max_t = tl.max(b_zt, axis=0)
-            # Blocks come in column order and only a strictly larger max moves the argmax: ties keep the
-            # lowest column, as torch.argmax does.
-            argmax_s = tl.where(b_max_s > m_s, tl.min(tl.where(b_zs == b_max_s, cols, V), axis=0), argmax_s)
-            argmax_t = tl.where(b_max_t > m_t, tl.min(tl.where(b_zt == b_max_t, cols, V), axis=0), argmax_t)
-            m_s_new = tl.maximum(m_s, b_max_s)
-            m_t_new = tl.maximum(m_t, b_max_t)
-            sum_s = sum_s * tl.exp(m_s - m_s_new) + tl.sum(tl.exp(b_zs - m_s_new), axis=0)
-            sum_t = sum_t * tl.exp(m_t - m_t_new) + tl.sum(tl.exp(b_zt - m_t_new), axis=0)
-            if HAS_TEMPERATURE:
-                # max(z / tau) = max(z) / tau for tau > 0: one running max serves both sums.
-                sum_tau_s = sum_tau_s * tl.exp((m_s - m_s_new) * inv_temperature) + tl.sum(
-                    tl.exp((b_zs - m_s_new) * inv_temperature), axis=0)
-                sum_tau_t = sum_tau_t * tl.exp((m_t - m_t_new) * inv_temperature) + tl.sum(
-                    tl.exp((b_zt - m_t_new) * inv_temperature), axis=0)
-            if DIVERGENCE == REVERSE_KL:
-                b_gap = tl.where(mask, tl.exp((b_zs - m_s_new) * inv_temperature) * (b_zs - b_zt), 0.0)
-                sum_gap = sum_gap * tl.exp((m_s - m_s_new) * inv_temperature) + tl.sum(b_gap, axis=0)
-            m_s = m_s_new
-            m_t = m_t_new
-        if not HAS_TEMPERATURE:
-            sum_tau_s = sum_s
-            sum_tau_t = sum_t
-        lse_s = m_s + tl.log(sum_s)
-        ce = lse_s - z_s_y
-        teacher_ce = m_t + tl.log(sum_t) - z_t_y
-        # log Q_v = (z_v - m) / tau - log_norm: the form of the sums above, so that Q sums to 1.
-        log_norm_s = tl.log(sum_tau_s)
-        log_norm_t = tl.log(sum_tau_t)
-
-        # KL(Q || P) = sum_v Q_v (log Q_v - log P_v), log Q_v - log P_v = (z_s - z_t)_v / tau + a
-        # constant of the row, and sum_v Q_v = 1.
-        div = 0.0
+            b_zt = tl.where(mask, teacher_softcap * _tanh(b_zt * inv_teacher_softcap), float("-inf"))
+        b_max_s = tl.max(b_zs, axis=0)
+        b_max_t = tl.max(b_zt, axis=0)
+        # Blocks come in column order and only a strictly larger max moves the argmax: ties keep the
+        # lowest column, as torch.argmax does.
+        argmax_s = tl.where(b_max_s > m_s, tl.min(tl.where(b_zs == b_max_s, cols, V), axis=0), argmax_s)
+        argmax_t = tl.where(b_max_t > m_t, tl.min(tl.where(b_zt == b_max_t, cols, V), axis=0), argmax_t)
+        m_s_new = tl.maximum(m_s, b_max_s)
+        m_t_new = tl.maximum(m_t, b_max_t)
+        sum_s = sum_s * tl.exp(m_s - m_s_new) + tl.sum(tl.exp(b_zs - m_s_new), axis=0)
+        sum_t = sum_t * tl.exp(m_t - m_t_new) + tl.sum(tl.exp(b_zt - m_t_new), axis=0)
+        if HAS_TEMPERATURE:
+            # max(z / tau) = max(z) / tau for tau > 0: one running max serves both sums.
+            sum_tau_s = sum_tau_s * tl.exp((m_s - m_s_new) * inv_temperature) + tl.sum(
+                tl.exp((b_zs - m_s_new) * inv_temperature), axis=0)
+            sum_tau_t = sum_tau_t * tl.exp((m_t - m_t_new) * inv_temperature) + tl.sum(
+                tl.exp((b_zt - m_t_new) * inv_temperature), axis=0)
         if DIVERGENCE == REVERSE_KL:
-            div = (sum_gap / sum_tau_s - (m_s - m_t)) * inv_temperature - log_norm_s + log_norm_t
+            b_gap = tl.where(mask, tl.exp((b_zs - m_s_new) * inv_temperature) * (b_zs - b_zt), 0.0)
+            sum_gap = sum_gap * tl.exp((m_s - m_s_new) * inv_temperature) + tl.sum(b_gap, axis=0)
+        m_s = m_s_new
+        m_t = m_t_new
+    if not HAS_TEMPERATURE:
+        sum_tau_s = sum_s
+        sum_tau_t = sum_t
+    lse_s = m_s + tl.log(sum_s)
+    ce = lse_s - z_s_y
+    teacher_ce = m_t + tl.log(sum_t) - z_t_y
+    # log Q_v = (z_v - m) / tau - log_norm: the form of the sums above, so that Q sums to 1.
+    log_norm_s = tl.log(sum_tau_s)
+    log_norm_t = tl.log(sum_tau_t)
 
-        # Pass 2: the divergence's row sums where pass 1 could not form them (jsd: KL(P || M) and
-        # KL(Q || M); forward_kl without a gradient, which otherwise sums it in pass 3).
-        kl_qm = 0.0
-        if DIVERGENCE == JSD or (DIVERGENCE == FORWARD_KL and not COMPUTE_GRAD):
-            kl_pm = 0.0
-            for start in range(0, V, BLOCK_V):
-                cols, mask, b_zs, b_ts, b_log_q, b_log_p = _log_probs(
-                    s_row, t_row, start, V, m_s, m_t, log_norm_s, log_norm_t, inv_temperature, softcap,
-                    teacher_softcap, BLOCK_V, HAS_SOFTCAP, HAS_TEACHER_SOFTCAP)
-                # A term whose probability is 0 (masked, or underflowed) is 0: 0 log 0 = 0.
-                if DIVERGENCE == FORWARD_KL:
-                    b_p = tl.exp(b_log_p)
-                    div += tl.sum(tl.where(mask & (b_p > 0.0), b_p * (b_log_p - b_log_q), 0.0), axis=0)
-                else:
-                    b_log_m = _log_m(b_log_p, b_log_q, log_beta, log_one_minus_beta)
-                    b_p = tl.exp(b_log_p)
-                    b_q = tl.exp(b_log_q)
-                    kl_pm += tl.sum(tl.where(mask & (b_p > 0.0), b_p * (b_log_p - b_log_m), 0.0), axis=0)
-                    kl_qm += tl.sum(tl.where(mask & (b_q > 0.0), b_q * (b_log_q - b_log_m), 0.0), axis=0)
-            if DIVERGENCE == JSD:
-                div = beta * kl_pm + (1.0 - beta) * kl_qm
+    # KL(Q || P) = sum_v Q_v (log Q_v - log P_v), log Q_v - log P_v = (z_s - z_t)_v / tau + a
+    # constant of the row, and sum_v Q_v = 1.
+    div = 0.0
+    if DIVERGENCE == REVERSE_KL:
+        div = (sum_gap / sum_tau_s - (m_s - m_t)) * inv_temperature - log_norm_s + log_norm_t
 
-        w = 1.0
-        if HAS_WEIGHTS:
-            w = tl.load(weights_ptr + row)
-
-        if COMPUTE_GRAD:
-            # Pass 3: d (grad_scale w_t l_t) / d r_v, written over the student's row it was computed from.
-            coef = grad_scale * w
-            coef_div = coef * (1.0 - ce_weight) * inv_temperature
-            coef_ce = coef * ce_weight
-            for start in range(0, V, BLOCK_V):
-                cols, mask, b_zs, b_ts, b_log_q, b_log_p = _log_probs(
-                    s_row, t_row, start, V, m_s, m_t, log_norm_s, log_norm_t, inv_temperature, softcap,
-                    teacher_softcap, BLOCK_V, HAS_SOFTCAP, HAS_TEACHER_SOFTCAP)
+    # Pass 2: the divergence's row sums where pass 1 could not form them (jsd: KL(P || M) and
+    # KL(Q || M); forward_kl without a gradient, which otherwise sums it in pass 3).
+    kl_qm = 0.0
+    if DIVERGENCE == JSD or (DIVERGENCE == FORWARD_KL and not COMPUTE_GRAD):
+        kl_pm = 0.0
+        for start in range(0, V, BLOCK_V):
+            cols, mask, b_zs, b_ts, b_log_q, b_log_p = _log_probs(
+                s_row, t_row, start, V, m_s, m_t, log_norm_s, log_norm_t, inv_temperature, softcap,
+                teacher_softcap, BLOCK_V, HAS_SOFTCAP, HAS_TEACHER_SOFTCAP)
+            # A term whose probability is 0 (masked, or underflowed) is 0: 0 log 0 = 0.
+            if DIVERGENCE == FORWARD_KL:
+                b_p = tl.exp(b_log_p)
+                div += tl.sum(tl.where(mask & (b_p > 0.0), b_p * (b_log_p - b_log_q), 0.0), axis=0)
+            else:
+                b_log_m = _log_m(b_log_p, b_log_q, log_beta, log_one_minus_beta)
+                b_p = tl.exp(b_log_p)
                 b_q = tl.exp(b_log_q)
-                if DIVERGENCE == FORWARD_KL:
-                    b_p = tl.exp(b_log_p)
-                    div += tl.sum(tl.where(mask & (b_p > 0.0), b_p * (b_log_p - b_log_q), 0.0), axis=0)
-                    b_g = b_q - b_p
-                elif DIVERGENCE == REVERSE_KL:
-                    b_g = tl.where(b_q > 0.0, b_q * (b_log_q - b_log_p - div), 0.0)
-                else:
-                    b_log_m = _log_m(b_log_p, b_log_q, log_beta, log_one_minus_beta)
-                    b_g = tl.where(b_q > 0.0, (1.0 - beta) * b_q * (b_log_q - b_log_m - kl_qm), 0.0)
-                b_g = coef_div * b_g
-                if HAS_CE:
-                    # At temperature 1, Q is softmax(z) itself: no second exponential.
-                    b_soft = b_q
-                    if HAS_TEMPERATURE:
-                        b_soft = tl.exp(b_zs - lse_s)
-                    b_g += coef_ce * tl.where(cols == y, b_soft - 1.0, b_soft)
-                if HAS_SOFTCAP:
-                    b_g *= 1.0 - b_ts * b_ts
-                tl.store(s_row + cols, b_g.to(student_ptr.dtype.element_ty), mask=mask)
+                kl_pm += tl.sum(tl.where(mask & (b_p > 0.0), b_p * (b_log_p - b_log_m), 0.0), axis=0)
+                kl_qm += tl.sum(tl.where(mask & (b_q > 0.0), b_q * (b_log_q - b_log_m), 0.0), axis=0)
+        if DIVERGENCE == JSD:
+            div = beta * kl_pm + (1.0 - beta) * kl_qm
 
-        loss = (1.0 - ce_weight) * div + ce_weight * ce
-        tl.store(values_ptr + row * 4, loss * w)
-        tl.store(values_ptr + row * 4 + 1, div * w)
-        tl.store(values_ptr + row * 4 + 2, ce * w)
-        tl.store(values_ptr + row * 4 + 3, teacher_ce * w)
-        tl.store(correct_ptr + row * 2, (argmax_s == y).to(tl.int32))
-        tl.store(correct_ptr + row * 2 + 1, (argmax_t == y).to(tl.int32))
+    w = 1.0
+    if HAS_WEIGHTS:
+        w = tl.load(weights_ptr + row)
+
+    if COMPUTE_GRAD:
+        # Pass 3: d (grad_scale w_t l_t) / d r_v, written over the student's row it was computed from.
+        coef = grad_scale * w
+        coef_div = coef * (1.0 - ce_weight) * inv_temperature
+        coef_ce = coef * ce_weight
+        for start in range(0, V, BLOCK_V):
+            cols, mask, b_zs, b_ts, b_log_q, b_log_p = _log_probs(
+                s_row, t_row, start, V, m_s, m_t, log_norm_s, log_norm_t, inv_temperature, softcap,
+                teacher_softcap, BLOCK_V, HAS_SOFTCAP, HAS_TEACHER_SOFTCAP)
+            b_q = tl.exp(b_log_q)
+            if DIVERGENCE == FORWARD_KL:
+                b_p = tl.exp(b_log_p)
+                div += tl.sum(tl.where(mask & (b_p > 0.0), b_p * (b_log_p - b_log_q), 0.0), axis=0)
+                b_g = b_q - b_p
+            elif DIVERGENCE == REVERSE_KL:
+                b_g = tl.where(b_q > 0.0, b_q * (b_log_q - b_log_p - div), 0.0)
+            else:
+                b_log_m = _log_m(b_log_p, b_log_q, log_beta, log_one_minus_beta)
+                b_g = tl.where(b_q > 0.0, (1.0 - beta) * b_q * (b_log_q - b_log_m - kl_qm), 0.0)
+            b_g = coef_div * b_g
+            if HAS_CE:
+                # At temperature 1, Q is softmax(z) itself: no second exponential.
+                b_soft = b_q
+                if HAS_TEMPERATURE:
+                    b_soft = tl.exp(b_zs - lse_s)
+                b_g += coef_ce * tl.where(cols == y, b_soft - 1.0, b_soft)
+            if HAS_SOFTCAP:
+                b_g *= 1.0 - b_ts * b_ts
+            tl.store(s_row + cols, b_g.to(student_ptr.dtype.element_ty), mask=mask)
+
+    loss = (1.0 - ce_weight) * div + ce_weight * ce
+    tl.store(values_ptr + row * 4, loss * w)
+    tl.store(values_ptr + row * 4 + 1, div * w)
+    tl.store(values_ptr + row * 4 + 2, ce * w)
+    tl.store(values_ptr + row * 4 + 3, teacher_ce * w)
+    tl.store(correct_ptr + row * 2, (argmax_s == y).to(tl.int32))
+    tl.store(correct_ptr + row * 2 + 1, (argmax_t == y).to(tl.int32))
 
 
-def _row_kernel_config(vocab: int, n_rows: int) -> tuple[int, int, int]:
-    """(BLOCK_V, num_warps, programs) of the row kernel: one program per row.
+def _row_kernel_config(vocab: int) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) of the row kernel.
 
     Half the block of the cross-entropy kernel (8192 columns over 8 warps, timed in
     `cross_entropy.py`), for the values a block keeps live here: two rows and their log-probabilities
     (and log M). Compiled for sm_90 (bf16, ptxas -v): 4096 columns over 8 warps take 102 registers
     a thread (forward KL) to 164 (jsd with every option), no spills; 8192 take 207 to 230, near the
-    255 limit. Not yet timed on a GPU.
+    255 limit. On an H100 (docs/PERF.md) one program a row beat fewer programs taking rows in turn,
+    and 16 warps, at every shape.
     """
     block_v = min(triton.next_power_of_2(vocab), 4096)
     num_warps = 8 if block_v >= 4096 else 4
-    return block_v, num_warps, n_rows
+    return block_v, num_warps
 
 
 def divergence_chunk(
@@ -278,12 +276,12 @@ def divergence_chunk(
 ) -> None:
     """The Triton `ChunkDivergence.compute`: the row kernel over one chunk (see `ChunkDivergence`)."""
     n_rows, vocab = student.shape
-    block_v, num_warps, programs = _row_kernel_config(vocab, n_rows)
+    block_v, num_warps = _row_kernel_config(vocab)
     # Floats, whatever the caller wrote: Triton would specialize an integer 1 into a constant.
     beta, ce_weight = float(options.beta), float(options.ce_weight)
     softcap = 1.0 if options.softcap is None else float(options.softcap)
     teacher_softcap = 1.0 if options.teacher_softcap is None else float(options.teacher_softcap)
-    _fused_linear_divergence_fwd_kernel[(min(programs, n_rows),)](
+    _fused_linear_divergence_fwd_kernel[(n_rows,)](
         student,
         student.stride(0),
         teacher,
@@ -292,7 +290,6 @@ def divergence_chunk(
         values if row_weights is None else row_weights,  # never read without HAS_WEIGHTS
         values,
         correct,
-        n_rows,
         vocab,
         float(grad_scale),
         1.0 / float(options.temperature),

@@ -3,7 +3,7 @@
 
 Findings: docs/PERF.md, the fused linear divergence (2026-11-25 and after).
 
-    python3 scripts/probes/divergence.py [--divergence jsd|forward_kl] [--repeats N] [--launch]
+    python3 scripts/probes/divergence.py [--divergence jsd|forward_kl|reverse_kl] [--repeats N]
 
 For each of `bench kernels`' three distillation shapes (bf16, 10% of the rows ignored), timed alike
 (`bench.timing.measure`, CUDA events, median):
@@ -20,9 +20,7 @@ For each of `bench kernels`' three distillation shapes (bf16, 10% of the rows ig
                    the bandwidth that makes
 
 so that fused ~ chunked GEMMs + row kernel, and the floor's distance splits into the chunking's
-share and the row kernel's. `--launch` instead varies the row kernel's launch: one program per row
-(the default) or a fixed number of programs each taking rows one after another (fewer rows in
-flight, so that a row's later passes may find it in the L2 cache), and 16 warps.
+share and the row kernel's.
 """
 
 from __future__ import annotations
@@ -45,26 +43,6 @@ SHAPES = [dict(N=8192, H=4096, V=128256), dict(N=16384, H=2048, V=128256), dict(
 GIB = 1 << 30
 # row transfers of the row kernel with a gradient: passes over both rows read, and the gradient written
 ROW_TRANSFERS = {"jsd": 3 * 2 + 1, "reverse_kl": 2 * 2 + 1, "forward_kl": 2 * 2 + 1}
-
-
-def launch_configs(sms: int) -> list[tuple[str, int | None, int | None]]:
-    """(label, programs, num_warps); None keeps the default."""
-    out = [("default", None, None)]
-    for programs in (4 * sms, 2 * sms, sms, sms // 2):
-        out.append((f"{programs} programs", programs, None))
-    out.append(("16 warps", None, 16))
-    out.append((f"{sms} programs, 16 warps", sms, 16))
-    return out
-
-
-def with_launch(programs: int | None, num_warps: int | None):
-    default = row_kernel._row_kernel_config
-
-    def config(vocab: int, n_rows: int) -> tuple[int, int, int]:
-        block_v, warps, rows = default(vocab, n_rows)
-        return block_v, num_warps or warps, programs or rows
-
-    return config
 
 
 def chunked_gemms(x: dict[str, torch.Tensor], rows: torch.Tensor, chunk: int):
@@ -139,15 +117,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--divergence", default="jsd", choices=("jsd", "forward_kl", "reverse_kl"))
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--launch", action="store_true", help="vary the row kernel's launch instead")
     args = parser.parse_args()
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     print(f"{torch.cuda.get_device_name(device)}, {sms} SMs; {args.divergence}, bf16, forward + backward")
-    default = row_kernel._row_kernel_config
     for dims in SHAPES:
         problem = divergence_problem(dims, device, torch.bfloat16, seed=0, divergence=args.divergence)
-        ours = problem.impls[0]
         floor = next(i for i in problem.impls if i.name == DIVERGENCE_FLOOR)
         time = functools.partial(measure, device=device, warmup=2, repeats=args.repeats, memory=False,
                                  before_each=functools.partial(_drop_grads, problem))
@@ -155,16 +130,7 @@ def main() -> None:
         floor.run.release()
         label = "x".join(str(dims[k]) for k in ("N", "H", "V"))
         print(f"\n{label}: 4 GEMMs {floor_ms:.2f} ms")
-        if args.launch:
-            for name, programs, warps in launch_configs(sms):
-                row_kernel._row_kernel_config = with_launch(programs, warps)
-                try:
-                    ms = time(_step(problem, ours.run, False)).median_ms
-                finally:
-                    row_kernel._row_kernel_config = default
-                print(f"  {name:28} {ms:8.2f} ms  {ms / floor_ms:5.3f}x floor  +{ms - floor_ms:5.2f} ms")
-        else:
-            split(problem, dims, args.divergence, time, floor_ms, device)
+        split(problem, dims, args.divergence, time, floor_ms, device)
         del problem
         release_memory(device)
 

@@ -62,15 +62,13 @@ def require_torchao() -> Any:
 
 def check_float8_device(device: torch.device) -> None:
     """Refuse a device without float8 tensor cores, naming it."""
+    needs = (f"train.precision: fp8 needs an NVIDIA GPU of compute capability {MIN_CAPABILITY[0]}."
+             f"{MIN_CAPABILITY[1]} or newer (H100, H200, L40S, RTX 4090)")
     if device.type != "cuda":
-        raise UserError(f"train.precision: fp8 needs an NVIDIA GPU of compute capability "
-                        f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer (H100, H200, L40S, RTX 4090); "
-                        f"this run is on the {device.type.upper()}")
+        raise UserError(f"{needs}; this run is on the {device.type.upper()}")
     capability = torch.cuda.get_device_capability(device)
     if capability < MIN_CAPABILITY:
-        raise UserError(f"train.precision: fp8 needs an NVIDIA GPU of compute capability "
-                        f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer (H100, H200, L40S, RTX 4090); "
-                        f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}")
+        raise UserError(f"{needs}; {torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}")
 
 
 def convert_to_float8(model: nn.Module, scaling: str = "tensorwise", *, emulate: bool = False,
@@ -148,22 +146,22 @@ class _FrozenFloat8Matmul(torch.autograd.Function):
     """y = x W^T over a float8 weight (`Float8FrozenLinear`); the gradient of x only."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, layer: Float8FrozenLinear) -> torch.Tensor:
         q, scale = _cast_input(x)
-        # Nothing of x is kept. The weight and its scales are the layer's own buffers, held as they
-        # are: through save_for_backward the memory planner's count of what a layer saves
-        # (`training.memory.SavedBytes`) would take them for activations.
-        ctx.weight, ctx.weight_scale, ctx.out_dtype = weight, weight_scale, x.dtype
-        return _scaled_matmul(q, weight.t(), scale[:, None], weight_scale[None, :], x.dtype)
+        # Nothing of x is kept. The weight and its scales are the layer's own buffers, read from it
+        # in the backward: through save_for_backward the memory planner's count of what a layer
+        # saves (`training.memory.SavedBytes`) would take them for activations.
+        ctx.layer, ctx.out_dtype = layer, x.dtype
+        return _scaled_matmul(q, layer.weight.t(), scale[:, None], layer.weight_scale[None, :], x.dtype)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        weight, weight_scale = ctx.weight, ctx.weight_scale
-        q, scale = quantize_rows(dy, weight_scale)
-        ones = torch.ones(1, weight.shape[1], dtype=torch.float32, device=weight.device)
+        layer = ctx.layer
+        q, scale = quantize_rows(dy, layer.weight_scale)
         # the second operand of a float8 GEMM is read column-major: W's transpose, laid out row-major
-        dx = _scaled_matmul(q, transpose_float8(weight).t(), scale[:, None], ones, ctx.out_dtype)
-        return dx, None, None
+        dx = _scaled_matmul(q, transpose_float8(layer.weight).t(), scale[:, None], layer.unit_scale[None, :],
+                            ctx.out_dtype)
+        return dx, None
 
 
 class Float8FrozenLinear(nn.Module):
@@ -178,10 +176,12 @@ class Float8FrozenLinear(nn.Module):
             weight, scale = quantize_rows(linear.weight.detach())
         self.register_buffer("weight", weight, persistent=False)
         self.register_buffer("weight_scale", scale, persistent=False)
+        # the backward GEMM's scales for W: ones, W's channel scales being folded into dy
+        self.register_buffer("unit_scale", scale.new_ones(self.in_features), persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _FrozenFloat8Matmul.apply(x.reshape(-1, self.in_features), self.weight, self.weight_scale)
+        y = _FrozenFloat8Matmul.apply(x.reshape(-1, self.in_features), self)
         if self.bias is not None:
             y = y + self.bias
         # a 2-D input (the fast LoRA forward's) gets y itself: a view would take no in-place sum

@@ -166,14 +166,11 @@ def run_decode_bench(path: Path, config: DecodeBenchConfig, *, log: Callable[[st
             answer(config.prompts[0], name)
     # The drafts take turns on each prompt, so a drift of the machine's speed (clocks, other
     # processes, the host's scheduling) falls on every draft alike rather than on whichever ran last.
-    timed: dict[str, list[list]] = {name: [] for name in config.drafts}
-    for prompt in config.prompts:
-        replies = {name: [] for name in config.drafts}
+    timed = {name: [[] for _ in config.prompts] for name in config.drafts}  # [prompt][repeat]
+    for i, prompt in enumerate(config.prompts):
         for _ in range(config.repeats):
             for name in config.drafts:
-                replies[name].append(answer(prompt, name))
-        for name in config.drafts:
-            timed[name].append(replies[name])
+                timed[name][i].append(answer(prompt, name))
     answers: dict[str, list[str]] = {}
     for name in config.drafts:
         replies = [runs[0] for runs in timed[name]]

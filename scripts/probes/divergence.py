@@ -3,7 +3,7 @@
 
 Findings: docs/PERF.md, the fused linear divergence (2026-11-25 and after).
 
-    python3 scripts/probes/divergence.py [--divergence jsd|forward_kl|reverse_kl] [--repeats N]
+    python3 scripts/probes/divergence.py [--divergence jsd|forward_kl|reverse_kl] [--repeats N] [--configs]
 
 For each of `bench kernels`' three distillation shapes (bf16, 10% of the rows ignored), timed alike
 (`bench.timing.measure`, CUDA events, median):
@@ -21,6 +21,10 @@ For each of `bench kernels`' three distillation shapes (bf16, 10% of the rows ig
 
 so that fused ~ chunked GEMMs + row kernel, and the floor's distance splits into the chunking's
 share and the row kernel's.
+
+`--configs` times the row kernel alone under other launches (`LAUNCHES`: BLOCK_V columns a loop
+step, warps a program; fewer registers a thread let more programs share an SM) against the default
+of `_row_kernel_config`, each with its bandwidth.
 """
 
 from __future__ import annotations
@@ -83,6 +87,26 @@ def row_kernel_alone(rows: int, vocab: int, divergence: str, device: torch.devic
                                                grad_scale=1.0 / rows, compute_grad=True)
 
 
+LAUNCHES = [(1024, 2), (1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16)]
+"""(BLOCK_V, num_warps) of the row kernel that `--configs` times."""
+
+
+def launches(rows: int, vocab: int, divergence: str, device: torch.device) -> None:
+    """The row kernel alone over one chunk of `rows`, under each of `LAUNCHES` and the default."""
+    original = row_kernel._row_kernel_config
+    default = original(vocab)
+    moved = ROW_TRANSFERS[divergence] * rows * vocab * 2
+    run = row_kernel_alone(rows, vocab, divergence, device)
+    try:
+        for launch in [default, *(c for c in LAUNCHES if c != default)]:
+            row_kernel._row_kernel_config = lambda vocab, launch=launch: launch
+            ms = measure(run, device=device, warmup=2, repeats=10, memory=False).median_ms
+            label = f"BLOCK_V {launch[0]}, {launch[1]} warps" + (" (default)" if launch == default else "")
+            print(f"  row kernel, {label:<30} {ms:6.2f} ms a chunk of {rows} rows, {moved / ms / 1e6:,.0f} GB/s")
+    finally:
+        row_kernel._row_kernel_config = original
+
+
 def split(problem, dims: dict[str, int], divergence: str, time, floor_ms: float, device: torch.device) -> None:
     x = problem.inputs
     vocab = dims["V"]
@@ -117,6 +141,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--divergence", default="jsd", choices=("jsd", "forward_kl", "reverse_kl"))
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--configs", action="store_true", help="time the row kernel under other launches")
     args = parser.parse_args()
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -131,6 +156,9 @@ def main() -> None:
         label = "x".join(str(dims[k]) for k in ("N", "H", "V"))
         print(f"\n{label}: 4 GEMMs {floor_ms:.2f} ms")
         split(problem, dims, args.divergence, time, floor_ms, device)
+        if args.configs:
+            rows = int((problem.inputs["targets"] != -100).sum())
+            launches(_chunk_rows(rows, dims["V"], 4, GIB), dims["V"], args.divergence, device)
         del problem
         release_memory(device)
 

@@ -15,15 +15,19 @@ step's collectives keep the processes together), median shown:
     forward+back    `forward_backward(run, batches, backward=True)`, the gradients then dropped
     step            `train_step(run, batches)`: the above, clipping, the update, the schedule
 
-Then one step under the profiler on every process; rank 0 prints its device's timeline over the
-step: kernels other than NCCL's (compute), NCCL's (communication), the part of communication that
-runs while no compute kernel does (exposed), and the time no kernel runs (idle), each as the union of
-the kernels' intervals between the step's first and last kernel.
+Then `PROFILED` steps under the profiler on every process; rank 0 prints the medians of its
+device's timeline over a step: kernels other than NCCL's (compute), NCCL's (communication), the part
+of communication that runs while no compute kernel does (exposed), and the time no kernel runs
+(idle), each as the union of the kernels' intervals between the step's first and last kernel. For
+the median step, the exposed communication by collective (all-gather, reduce-scatter, all-reduce)
+and the longest exposed and idle stretches, with their offsets from the step's first kernel: near 0
+the first layer's gather, at the end the last reductions and the optimizer's wait.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -47,6 +51,8 @@ SETTINGS = ("optim.master_weights=true", "train.log_every=1", "train.eval_every=
             f"output.dir={OUTPUT}", "output.overwrite=true")
 WARMUP = 3
 REPEATS = 5
+PROFILED = 3
+STRETCHES = 5
 
 
 def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -76,9 +82,34 @@ def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float
     return total
 
 
-def device_timeline(step) -> dict[str, float] | None:
-    """Milliseconds of compute, communication, exposed communication and idle in one `step()` on
-    this process's GPU (None without CUDA)."""
+def subtract(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The parts of the union `a` outside the union `b`."""
+    left, j = [], 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k, at = j, start
+        while k < len(b) and b[k][0] < end:
+            if b[k][0] > at:
+                left.append((at, b[k][0]))
+            at = max(at, b[k][1])
+            k += 1
+        if at < end:
+            left.append((at, end))
+    return left
+
+
+def collective(name: str) -> str:
+    """The kind of an NCCL kernel, from its name (`ncclDevKernel_AllGather_RING_LL`, ...)."""
+    lowered = name.lower()
+    return next((kind for kind in ("AllGather", "ReduceScatter", "AllReduce", "Broadcast")
+                 if kind.lower() in lowered), "other")
+
+
+def device_timeline(step) -> dict | None:
+    """One `step()` on this process's GPU (None without CUDA): milliseconds of compute,
+    communication, exposed communication (by collective) and idle, and the longest exposed and idle
+    stretches with their offsets from the step's first kernel."""
     if not torch.cuda.is_available():
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -89,12 +120,42 @@ def device_timeline(step) -> dict[str, float] | None:
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     if not kernels:
         return None
-    comm = union([(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()])
+    nccl = [e for e in kernels if "nccl" in e.name.lower()]
+    comm = union([(e.time_range.start, e.time_range.end) for e in nccl])
     compute = union([(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()])
-    span = max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)
-    busy = length(union(comm + compute))
-    return {"span": span / 1e3, "compute": length(compute) / 1e3, "communication": length(comm) / 1e3,
-            "exposed": (length(comm) - overlap(comm, compute)) / 1e3, "idle": (span - busy) / 1e3}
+    first = min(e.time_range.start for e in kernels)
+    span = max(e.time_range.end for e in kernels) - first
+    busy = union(comm + compute)
+    exposed_by_kind: dict[str, float] = {}
+    stretches = []
+    for e in nccl:
+        for start, end in subtract([(e.time_range.start, e.time_range.end)], compute):
+            kind = collective(e.name)
+            exposed_by_kind[kind] = exposed_by_kind.get(kind, 0.0) + (end - start) / 1e3
+            stretches.append(((end - start) / 1e3, (start - first) / 1e3, kind))
+    gaps = [((end - start) / 1e3, (start - first) / 1e3) for start, end in subtract([(first, first + span)], busy)]
+    return {
+        "parts": {"span": span / 1e3, "compute": length(compute) / 1e3, "communication": length(comm) / 1e3,
+                  "exposed": (length(comm) - overlap(comm, compute)) / 1e3, "idle": (span - length(busy)) / 1e3},
+        "exposed_by_kind": exposed_by_kind,
+        "exposed_stretches": sorted(stretches, reverse=True)[:STRETCHES],
+        "idle_gaps": sorted(gaps, reverse=True)[:STRETCHES],
+    }
+
+
+def show_timelines(timelines: list[dict]) -> None:
+    """The parts' medians over the profiled steps, then the median step's exposed communication by
+    collective and its longest exposed and idle stretches."""
+    print(f"\nrank 0's device over {len(timelines)} profiled steps (median)\n| part | ms |\n|---|---:|")
+    for name in timelines[0]["parts"]:
+        print(f"| {name} | {statistics.median(t['parts'][name] for t in timelines):.1f} |")
+    middle = sorted(timelines, key=lambda t: t["parts"]["span"])[len(timelines) // 2]
+    print(f"\nthe median step ({middle['parts']['span']:.1f} ms): exposed communication by collective")
+    for kind, ms in sorted(middle["exposed_by_kind"].items(), key=lambda kv: -kv[1]):
+        print(f"  {kind:<14} {ms:7.1f} ms")
+    print("  longest exposed stretches (ms, at ms): "
+          + ", ".join(f"{kind} {ms:.1f} at {at:.0f}" for ms, at, kind in middle["exposed_stretches"]))
+    print("  longest idle gaps (ms, at ms): " + ", ".join(f"{ms:.1f} at {at:.0f}" for ms, at in middle["idle_gaps"]))
 
 
 def main() -> None:
@@ -121,7 +182,7 @@ def main() -> None:
         phases = {"forward": timed(lambda: forward_backward(run, batches, backward=False)),
                   "forward+back": timed(lambda: forward_backward(run, batches, backward=True), drop_gradients),
                   "step": timed(lambda: train_step(run, batches))}
-        timeline = device_timeline(lambda: train_step(run, batches))
+        timelines = [t for _ in range(PROFILED) if (t := device_timeline(lambda: train_step(run, batches)))]
     finally:
         cleanup(run)
     if topology.is_main:
@@ -133,10 +194,8 @@ def main() -> None:
             print(f"| {name} | {ms:.1f} |")
         print(f"| backward (forward+back - forward) | {phases['forward+back'] - phases['forward']:.1f} |")
         print(f"| clipping, optimizer, schedule (step - forward+back) | {step - phases['forward+back']:.1f} |")
-        if timeline is not None:
-            print("\nrank 0's device over one profiled step\n| part | ms |\n|---|---:|")
-            for name, ms in timeline.items():
-                print(f"| {name} | {ms:.1f} |")
+        if timelines:
+            show_timelines(timelines)
 
 
 if __name__ == "__main__":

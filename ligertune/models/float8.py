@@ -15,7 +15,9 @@ weight has no gradient, so it runs two float8 GEMMs where torchao's `Float8Linea
 computes the weight's gradient whether the weight trains or not) and keeps no activation for it.
 Only the activations and the output gradients are cast at each call, a scale per token
 (`ligertune.kernels.quantize_rows`, one pass each; layers that read the same activations, q, k and
-v, share one cast):
+v, share one cast). q, k and v of one attention block keep their weights in one buffer
+(`Float8Siblings`), each layer's its own rows of it, so that the fast LoRA forward computes the three
+base products as one GEMM (`ligertune.models.lora`): a third of the launches, casts and host time:
 
     forward    y  = (q_x s_x) (q_W s_W)^T            scales s_x per token, s_W per output channel
     backward   dx = q(dy * s_W) s_dy  q_W            s_W folded into dy before its cast
@@ -164,6 +166,32 @@ class _FrozenFloat8Matmul(torch.autograd.Function):
         return dx, None
 
 
+JOINED = ("q_proj", "k_proj", "v_proj")
+"""Sibling layers whose float8 weights `freeze_to_float8` joins: those of an attention block, which
+every family of `ligertune.models.patching.PATCH_TABLE` calls on one tensor. gate and up stay apart:
+their outputs feed the SwiGLU kernel, which would copy column slices of a joined output whole."""
+
+
+class Float8Siblings:
+    """Float8 frozen layers that read one input (q, k, v of an attention block): their weights and
+    scales concatenated into one buffer, each layer's `weight` and `weight_scale` a view of its rows
+    (contiguous, so each layer still runs alone as before, at no extra memory). Called on a 2-D
+    input, the product with every layer's weight at once: one float8 GEMM, with the layers' outputs
+    side by side in the order of `layers`."""
+
+    def __init__(self, layers: list[Float8FrozenLinear]):
+        self.layers = tuple(layers)
+        self.sizes = [layer.out_features for layer in layers]
+        self.weight = torch.cat([layer.weight for layer in layers])
+        self.weight_scale = torch.cat([layer.weight_scale for layer in layers])
+        self.unit_scale = layers[0].unit_scale
+        for layer, weight, scale in zip(layers, self.weight.split(self.sizes), self.weight_scale.split(self.sizes)):
+            layer.weight, layer.weight_scale, layer.siblings = weight, scale, self
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _FrozenFloat8Matmul.apply(x, self)
+
+
 class Float8FrozenLinear(nn.Module):
     """A frozen `nn.Linear` that multiplies in float8: its weight cast once to e4m3 with a scale per
     output channel (`weight`, `weight_scale`: buffers derived from the model's weights, not saved
@@ -179,6 +207,7 @@ class Float8FrozenLinear(nn.Module):
         # the backward GEMM's scales for W: ones, W's channel scales being folded into dy
         self.register_buffer("unit_scale", scale.new_ones(self.in_features), persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.siblings: Float8Siblings | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _FrozenFloat8Matmul.apply(x.reshape(-1, self.in_features), self)
@@ -207,7 +236,24 @@ def freeze_to_float8(model: nn.Module) -> int:
     ]
     for parent, name, child in chosen:
         setattr(parent, name, Float8FrozenLinear(child))
+    join_siblings(model)
     return len(chosen)
+
+
+def join_siblings(model: nn.Module) -> int:
+    """Join the float8 weights of each attention block's q, k and v (`JOINED`: each a
+    `Float8FrozenLinear`, or peft's LoRA layer over one) into one `Float8Siblings` where all three
+    are float8, bias-free and read one width; return how many groups were joined."""
+    joined = 0
+    for block in model.modules():
+        children = [getattr(block, name, None) for name in JOINED]
+        layers = [getattr(child, "base_layer", child) for child in children]
+        if (all(isinstance(layer, Float8FrozenLinear) and layer.bias is None and layer.siblings is None
+                for layer in layers)
+                and len({(layer.in_features, layer.weight.device) for layer in layers}) == 1):
+            Float8Siblings(layers)
+            joined += 1
+    return joined
 
 
 def float8_layers(model: nn.Module) -> int:

@@ -144,9 +144,10 @@ def shared_lora_a(x: torch.Tensor, weights: list[torch.Tensor]) -> tuple[torch.T
 class _SharedInput:
     """LoRA layers of one block that read the same input, in the order of `SHARED_INPUTS`.
 
-    `product(i, x)` returns layer i's x_a A_i^T. The first call for a tensor x computes the products
-    of every layer of the group and keeps the others' until they are asked for with that same x; the
-    last one taken releases x.
+    `product(i, x)` returns layer i's x_a A_i^T; `output(i, x)` layer i's whole output, where the
+    group's base layers are one `Float8Siblings` (else None). The first call for a tensor x computes
+    the parts of every layer of the group and keeps the others' until they are asked for with that
+    same x; the last one taken releases x.
     """
 
     def __init__(self, members: list[tuple[nn.Module, str]]):
@@ -154,22 +155,75 @@ class _SharedInput:
         self._x: torch.Tensor | None = None
         self._version = -1
         self._waiting: list[torch.Tensor | None] = []
+        self._kind = ""  # of the parts waiting: "product" or "output"
 
     def product(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        if self._x is x and x._version == self._version and self._waiting[index] is not None:
+        return self._take("product", index, x,
+                          lambda: shared_lora_a(x, [m.lora_A[a].weight for m, a in self.members]))
+
+    def output(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
+        if self._waiting_for("output", index, x):
+            return self._take("output", index, x, None)
+        siblings = self._joined_base(x)
+        if siblings is None:
+            return None
+        return self._take("output", index, x, lambda: _joined_outputs(self.members, siblings, x))
+
+    def _joined_base(self, x: torch.Tensor):
+        """The group's float8 base layers joined as one (`Float8Siblings`), exactly these in this
+        order, where the whole group sums in place in x's dtype with one scaling; else None."""
+        first, adapter = self.members[0]
+        siblings = getattr(first.base_layer, "siblings", None)
+        if siblings is None or len(siblings.layers) != len(self.members):
+            return None
+        if any(layer is not m.base_layer for layer, (m, _) in zip(siblings.layers, self.members)):
+            return None
+        lora = [(m.lora_A[a].weight, m.lora_B[a], m.scaling[a]) for m, a in self.members]
+        if any(a.dtype != x.dtype or b.weight.dtype != x.dtype or b.bias is not None or s != lora[0][2]
+               for a, b, s in lora):
+            return None
+        return siblings
+
+    def _waiting_for(self, kind: str, index: int, x: torch.Tensor) -> bool:
+        return (self._x is x and x._version == self._version and self._kind == kind
+                and self._waiting[index] is not None)
+
+    def _take(self, kind: str, index: int, x: torch.Tensor, compute) -> torch.Tensor:
+        if self._waiting_for(kind, index, x):
             part, self._waiting[index] = self._waiting[index], None
             if all(p is None for p in self._waiting):
                 self._release()
             return part
-        parts = list(shared_lora_a(x, [m.lora_A[a].weight for m, a in self.members]))
+        parts = list(compute())
         part, parts[index] = parts[index], None
         self._release()
         if len(parts) > 1:
-            self._x, self._version, self._waiting = x, x._version, parts
+            self._x, self._version, self._waiting, self._kind = x, x._version, parts, kind
         return part
 
     def _release(self) -> None:
-        self._x, self._version, self._waiting = None, -1, []
+        self._x, self._version, self._waiting, self._kind = None, -1, [], ""
+
+
+def _joined_outputs(members: list[tuple[nn.Module, str]], siblings, x: torch.Tensor) -> list[torch.Tensor]:
+    """Every member's y_i = base_i(x) + s U_i B_i^T over one float8 weight (`Float8Siblings`):
+
+        Y = base(x)                                 one float8 GEMM over the joined weight
+        Y += s U cat_diag(B_i)^T                    U = x_a cat(A_i)^T; in place, one GEMM
+
+    then Y split by columns. B's block-diagonal matrix multiplies zeros outside each layer's block:
+    r_total instead of r_i products a column, a few microseconds on GEMMs this thin, for one GEMM
+    (and one backward node) where there were three. The last part (v, which attention keeps for its
+    backward) is copied out so that it does not keep q's and k's columns alive; q and k are read once,
+    by RoPE, into new tensors."""
+    adapter_of = [a for _, a in members]
+    u = _SharedLoraA.apply(x, *(m.lora_A[a].weight for m, a in members))
+    y = siblings(x.reshape(-1, x.shape[-1]))
+    blocks = torch.block_diag(*(m.lora_B[a].weight for m, a in members))
+    y.addmm_(u.reshape(-1, u.shape[-1]), blocks.t(), alpha=members[0][0].scaling[adapter_of[0]])
+    parts = list(y.split(siblings.sizes, dim=-1))
+    parts[-1] = parts[-1].contiguous()
+    return parts
 
 
 # --------------------------------------------------------------------------------------------------
@@ -182,6 +236,9 @@ def _fast_lora_forward(
 ) -> torch.Tensor:
     if args or kwargs or not _fast_now(module, x, adapter):
         return type(module).forward(module, x, *args, **kwargs)
+    joined = group.output(index, x)
+    if joined is not None:  # float8 siblings: the whole group's outputs from one GEMM
+        return joined.view(*x.shape[:-1], joined.shape[-1])
     # 2-D from the start, so that the in-place sum below acts on the base output itself, not on a
     # view of it (autograd would then copy the whole gradient through CopySlices); a view for the
     # contiguous activations of a decoder layer, as F.linear makes one itself.

@@ -15,9 +15,10 @@ weight has no gradient, so it runs two float8 GEMMs where torchao's `Float8Linea
 computes the weight's gradient whether the weight trains or not) and keeps no activation for it.
 Only the activations and the output gradients are cast at each call, a scale per token
 (`ligertune.kernels.quantize_rows`, one pass each; layers that read the same activations, q, k and
-v, share one cast). q, k and v of one attention block keep their weights in one buffer
-(`Float8Siblings`), each layer's its own rows of it, so that the fast LoRA forward computes the three
-base products as one GEMM (`ligertune.models.lora`): a third of the launches, casts and host time:
+v, share one cast). q, k and v of one attention block, and gate and up of one MLP, keep their
+weights in one buffer each (`Float8Siblings`), each layer's its own rows of it, so that the fast LoRA
+forward computes a group's base products as one GEMM (`ligertune.models.lora`): 4 float8 GEMMs a
+decoder layer instead of 7, with as many casts, transposes and autograd nodes fewer:
 
     forward    y  = (q_x s_x) (q_W s_W)^T            scales s_x per token, s_W per output channel
     backward   dx = q(dy * s_W) s_dy  q_W            s_W folded into dy before its cast
@@ -166,21 +167,25 @@ class _FrozenFloat8Matmul(torch.autograd.Function):
         return dx, None
 
 
-JOINED = ("q_proj", "k_proj", "v_proj")
-"""Sibling layers whose float8 weights `freeze_to_float8` joins: those of an attention block, which
-every family of `ligertune.models.patching.PATCH_TABLE` calls on one tensor. gate and up stay apart:
-their outputs feed the SwiGLU kernel, which would copy column slices of a joined output whole."""
+JOINED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Sibling layers whose float8 weights `freeze_to_float8` joins: those that every family of
+`ligertune.models.patching.PATCH_TABLE` calls on one tensor."""
+COPIED = ("v_proj",)
+"""Layers whose part of a joined output the fast LoRA forward copies out: attention keeps v for its
+backward, and a column slice would keep q's and k's columns alive with it."""
 
 
 class Float8Siblings:
-    """Float8 frozen layers that read one input (q, k, v of an attention block): their weights and
+    """Float8 frozen layers that read one input (q, k, v; gate, up): their weights and
     scales concatenated into one buffer, each layer's `weight` and `weight_scale` a view of its rows
     (contiguous, so each layer still runs alone as before, at no extra memory). Called on a 2-D
     input, the product with every layer's weight at once: one float8 GEMM, with the layers' outputs
-    side by side in the order of `layers`."""
+    side by side in the order of `layers`. `copied`: for each layer, whether the fast LoRA forward
+    copies its part out of the joined output (`COPIED`)."""
 
-    def __init__(self, layers: list[Float8FrozenLinear]):
+    def __init__(self, layers: list[Float8FrozenLinear], copied: tuple[bool, ...] | None = None):
         self.layers = tuple(layers)
+        self.copied = copied or (False,) * len(layers)
         self.sizes = [layer.out_features for layer in layers]
         self.weight = torch.cat([layer.weight for layer in layers])
         self.weight_scale = torch.cat([layer.weight_scale for layer in layers])
@@ -241,18 +246,18 @@ def freeze_to_float8(model: nn.Module) -> int:
 
 
 def join_siblings(model: nn.Module) -> int:
-    """Join the float8 weights of each attention block's q, k and v (`JOINED`: each a
-    `Float8FrozenLinear`, or peft's LoRA layer over one) into one `Float8Siblings` where all three
-    are float8, bias-free and read one width; return how many groups were joined."""
+    """Join the float8 weights of each block's q, k and v, and of its gate and up (`JOINED`: each a
+    `Float8FrozenLinear`, or peft's LoRA layer over one), into one `Float8Siblings` where all are
+    float8, bias-free and read one width; return how many groups were joined."""
     joined = 0
     for block in model.modules():
-        children = [getattr(block, name, None) for name in JOINED]
-        layers = [getattr(child, "base_layer", child) for child in children]
-        if (all(isinstance(layer, Float8FrozenLinear) and layer.bias is None and layer.siblings is None
-                for layer in layers)
-                and len({(layer.in_features, layer.weight.device) for layer in layers}) == 1):
-            Float8Siblings(layers)
-            joined += 1
+        for names in JOINED:
+            layers = [getattr(child, "base_layer", child) for child in (getattr(block, n, None) for n in names)]
+            if (all(isinstance(layer, Float8FrozenLinear) and layer.bias is None and layer.siblings is None
+                    for layer in layers)
+                    and len({(layer.in_features, layer.weight.device) for layer in layers}) == 1):
+                Float8Siblings(layers, tuple(name in COPIED for name in names))
+                joined += 1
     return joined
 
 

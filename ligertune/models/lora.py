@@ -63,6 +63,7 @@ layer is a group of one, which still keeps no float32 copy of its input.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -211,19 +212,54 @@ def _joined_outputs(members: list[tuple[nn.Module, str]], siblings, x: torch.Ten
         Y = base(x)                                 one float8 GEMM over the joined weight
         Y += s U cat_diag(B_i)^T                    U = x_a cat(A_i)^T; in place, one GEMM
 
-    then Y split by columns. B's block-diagonal matrix multiplies zeros outside each layer's block:
-    r_total instead of r_i products a column, a few microseconds on GEMMs this thin, for one GEMM
-    (and one backward node) where there were three. The last part (v, which attention keeps for its
-    backward) is copied out so that it does not keep q's and k's columns alive; q and k are read once,
-    by RoPE, into new tensors."""
-    adapter_of = [a for _, a in members]
+    then Y split by columns (`_SplitColumns`). B's block-diagonal matrix multiplies zeros outside
+    each layer's block: r_total instead of r_i products a column, a few microseconds on GEMMs this
+    thin, for one GEMM (and one backward node) where there were several. The parts that
+    `siblings.copied` names (v, which attention keeps for its backward) are copied out, so as not to
+    keep the others' columns alive with them; q and k are read once, by RoPE, into new tensors, and
+    gate and up are kept by SwiGLU, which writes their gradients over them."""
     u = _SharedLoraA.apply(x, *(m.lora_A[a].weight for m, a in members))
     y = siblings(x.reshape(-1, x.shape[-1]))
     blocks = torch.block_diag(*(m.lora_B[a].weight for m, a in members))
-    y.addmm_(u.reshape(-1, u.shape[-1]), blocks.t(), alpha=members[0][0].scaling[adapter_of[0]])
-    parts = list(y.split(siblings.sizes, dim=-1))
-    parts[-1] = parts[-1].contiguous()
-    return parts
+    first, adapter = members[0]
+    y.addmm_(u.reshape(-1, u.shape[-1]), blocks.t(), alpha=first.scaling[adapter])
+    parts = _SplitColumns.apply(y, siblings.sizes)
+    return [part.contiguous() if copied else part for part, copied in zip(parts, siblings.copied)]
+
+
+class _SplitColumns(torch.autograd.Function):
+    """y split into column slices (views), as `torch.split`, whose backward takes gradients that are
+    themselves adjacent column slices of one buffer (SwiGLU's, written over gate and up) as that
+    buffer, where `torch.split`'s would copy them into a new one."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, sizes: list[int]):
+        ctx.sizes = sizes
+        return tuple(y.split(sizes, dim=-1))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        joined = _adjacent(grads, ctx.sizes)
+        if joined is None:
+            like = next(g for g in grads if g is not None)
+            parts = [g if g is not None else like.new_zeros(*like.shape[:-1], n) for g, n in zip(grads, ctx.sizes)]
+            joined = torch.cat(parts, dim=-1)
+        return joined, None
+
+
+def _adjacent(grads, sizes: list[int]) -> torch.Tensor | None:
+    """The one buffer whose consecutive column slices `grads` are, or None."""
+    if any(g is None for g in grads):
+        return None
+    first, width = grads[0], sum(sizes)
+    if first.dim() < 2 or first.stride(-1) != 1 or first.stride(-2) != width:
+        return None
+    offset = first.storage_offset()
+    for g, start in zip(grads, itertools.accumulate([0, *sizes[:-1]])):
+        if (g.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or g.stride() != first.stride()
+                or g.shape[:-1] != first.shape[:-1] or g.storage_offset() != offset + start):
+            return None
+    return first.as_strided((*first.shape[:-1], width), first.stride(), offset)
 
 
 # --------------------------------------------------------------------------------------------------

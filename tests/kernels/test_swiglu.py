@@ -82,6 +82,23 @@ def test_reuse_inputs_gives_the_same_gradients_in_their_memory(triton_path, dtyp
         y.backward(dy)  # gate and up are gone: a second backward must not run on them
 
 
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+def test_gate_and_up_side_by_side_are_read_and_written_where_they_are(triton_path, dtype, tol):
+    """gate and up as the two halves of one [tokens, 2 I] output (a joined float8 GEMM's): the
+    contiguous path's values, bit for bit, with the gradients written over the halves and no copy."""
+    gate0, up0, dy = make_inputs((3, 37, 123), dtype, seed=5)
+    want = run(K.swiglu, gate0, up0, dy)
+    leaf = torch.cat([gate0, up0], dim=-1).requires_grad_(True)
+    joined = leaf * 1
+    gate, up = joined.split(123, dim=-1)
+    assert not gate.is_contiguous()
+    y = K.swiglu(gate, up, reuse_inputs=True)
+    y.backward(dy)
+    assert torch.equal(y, want[0]) and y.is_contiguous()
+    assert torch.equal(leaf.grad, torch.cat(want[1:], dim=-1))
+    assert torch.equal(joined.detach(), torch.cat(want[1:], dim=-1))  # written over the halves
+
+
 def test_kernel_against_float64_formula(triton_path):
     gate, up, dy = make_inputs((37, 123), torch.float32, seed=2)
     y, dgate, dup = run(K.swiglu, gate, up, dy)

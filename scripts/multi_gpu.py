@@ -21,7 +21,10 @@ Three parts (`--parts`, all by default), each made of `ligertune` commands run a
    run steps float32 weights and computes in bf16 (`EQUAL_PRECISION`): one process through the
    float32 master copies of its bf16 weights (`optim.master_weights: true`, where the recipe says
    false), N processes through FSDP2's float32 shards, so the efficiency counts what N processes
-   cost, not a change of precision.
+   cost, not a change of precision. Each run also gives its steps' spread (interquartile range over
+   median). `--repeats R` runs the counts R times in turn (1, 2, 4, 1, 2, 4, ...): launches of the
+   same count differ by more than steps of one run do, and the efficiency of each run is then
+   against the mean rate of the one-process runs, with each count's mean and range in the summary.
 3. fsdp: Llama-3.1-8B shapes trained in full (the LoRA bench recipe with `--set lora=null`) with
    AdamW, FSDP2 over every GPU: 16 bytes a parameter (float32 weights, gradients, two moments),
    128 GB, more than one GPU holds. One run of `--fsdp-steps` steps gives tokens/s, MFU and peak
@@ -107,6 +110,7 @@ class Plan:
     cuda: bool
     gpus: int  # processes of part 3, and the most of parts 1 and 2
     steps: int  # each scaling run
+    repeats: int  # scaling runs of each count
     fsdp_steps: int  # the run of part 3
     skip: int  # first steps left out of the medians
     common: tuple[str, ...]  # every command's overrides (the tiny model and data)
@@ -194,8 +198,15 @@ def rates(records: list[dict], skip: int, *, cuda: bool) -> dict:
     on a CPU the trainer reports the process's resident memory)."""
     window = records[skip:]
     mfu = [r["mfu"] for r in window if r.get("mfu") is not None]
+    step_rates = [r["tokens_per_s"] for r in window]
+    median = statistics.median(step_rates) if step_rates else None
+    spread = None
+    if len(step_rates) >= 4 and median:
+        low, _, high = statistics.quantiles(step_rates, n=4)
+        spread = (high - low) / median
     return {
-        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in window) if window else None,
+        "tokens_per_s": median,
+        "step_spread": spread,
         "mfu": statistics.median(mfu) if mfu else None,
         "peak_mem_gib": max(r["peak_mem_gib"] for r in records) if cuda and records else None,
     }
@@ -260,27 +271,48 @@ def verify_part(plan: Plan, commands: Commands) -> dict:
 
 def scaling_part(plan: Plan, commands: Commands) -> dict:
     runs = []
-    for n in plan.scaling_processes():
-        run_dir = commands.work / f"scaling-{n}"
-        outcome = commands.run(train_args(SMALL, n, run_dir, plan.steps, [*plan.common, *MEASURE, *EQUAL_PRECISION]),
-                               f"scaling-{n}")
-        records = training_records(run_dir)
-        drop_models(run_dir)
-        runs.append({"processes": n, **outcome.to_json(), "steps": len(records),
-                     **rates(records, plan.skip, cuda=plan.cuda)})
-    one = next((r["tokens_per_s"] for r in runs if r["processes"] == 1), None)
+    for repeat in range(1, plan.repeats + 1):
+        for n in plan.scaling_processes():
+            name = f"scaling-{n}" + (f"-{repeat}" if plan.repeats > 1 else "")
+            run_dir = commands.work / name
+            overrides = [*plan.common, *MEASURE, *EQUAL_PRECISION]
+            outcome = commands.run(train_args(SMALL, n, run_dir, plan.steps, overrides), name)
+            records = training_records(run_dir)
+            drop_models(run_dir)
+            runs.append({"processes": n, "repeat": repeat, **outcome.to_json(), "steps": len(records),
+                         **rates(records, plan.skip, cuda=plan.cuda)})
+    ones = [r["tokens_per_s"] for r in runs if r["processes"] == 1 and r["tokens_per_s"]]
+    one = statistics.mean(ones) if ones else None
     rows = []
     for r in runs:
         r["tokens_per_s_per_process"] = r["tokens_per_s"] / r["processes"] if r["tokens_per_s"] else None
         r["efficiency"] = scaling_efficiency(r["tokens_per_s"], r["processes"], one)
-        rows.append([str(r["processes"]), str(r["steps"]), fmt(r["tokens_per_s"], ",.0f"),
-                     fmt(r["tokens_per_s_per_process"], ",.0f"), fmt(r["efficiency"], ".3f"), percent(r["mfu"]),
-                     fmt(r["peak_mem_gib"], ".2f"), f"{r['seconds']:.0f}", str(r["exit_code"])])
+        rows.append([str(r["processes"]), str(r["repeat"]), str(r["steps"]), fmt(r["tokens_per_s"], ",.0f"),
+                     fmt(r["tokens_per_s_per_process"], ",.0f"), fmt(r["efficiency"], ".3f"),
+                     percent(r["step_spread"]), percent(r["mfu"]), fmt(r["peak_mem_gib"], ".2f"),
+                     f"{r['seconds']:.0f}", str(r["exit_code"])])
     print(f"\nScaling ({SMALL}, {plan.steps} steps; medians of the steps after the first {plan.skip}; "
-          "tokens/s of all processes; efficiency = rate(N) / (N rate(1)))\n")
-    print(table(["processes", "steps", "tokens/s", "tokens/s per process", "efficiency", "MFU", "peak GiB",
-                 "run s", "exit"], rows))
-    return {"recipe": str(SMALL), "steps": plan.steps, "median_after": plan.skip, "runs": runs}
+          "tokens/s of all processes; efficiency = rate(N) / (N rate(1)), rate(1) the mean of the "
+          "one-process runs; step spread = interquartile range / median of a run's steps)\n")
+    print(table(["processes", "repeat", "steps", "tokens/s", "tokens/s per process", "efficiency", "step spread",
+                 "MFU", "peak GiB", "run s", "exit"], rows))
+    return {"recipe": str(SMALL), "steps": plan.steps, "median_after": plan.skip, "repeats": plan.repeats,
+            "runs": runs}
+
+
+def scaling_summary(runs: list[dict]) -> str:
+    """Each count's rate and efficiency: the run's, or over repeats their mean and range."""
+    parts = []
+    for n in sorted({r["processes"] for r in runs}):
+        mine = [r for r in runs if r["processes"] == n]
+        rates_ = [r["tokens_per_s"] for r in mine if r["tokens_per_s"]]
+        text = f"{n}: {fmt(statistics.mean(rates_) if rates_ else None, ',.0f')} tokens/s"
+        effs = [r["efficiency"] for r in mine if r["efficiency"] is not None]
+        if n > 1 and effs:
+            text += (f" (efficiency {statistics.mean(effs):.3f}" if len(effs) > 1 else f" (efficiency {effs[0]:.3f}")
+            text += (f", {min(effs):.3f}-{max(effs):.3f} over {len(effs)} runs)" if len(effs) > 1 else ")")
+        parts.append(text + "".join(exited(r) for r in mine))
+    return ", ".join(parts)
 
 
 def fsdp_part(plan: Plan, commands: Commands, device_memory_gib: float | None) -> dict:
@@ -339,10 +371,7 @@ def summary(report: dict) -> list[str]:
         lines.append("verify   verify-loss: " + ", ".join(
             f"{r['processes']} processes, exit {r['exit_code']}" for r in report["verify"]["runs"]))
     if "scaling" in report:
-        lines.append("scaling  " + ", ".join(
-            f"{r['processes']}: {fmt(r['tokens_per_s'], ',.0f')} tokens/s"
-            + ("" if r["processes"] == 1 else f" (efficiency {fmt(r['efficiency'], '.3f')})") + exited(r)
-            for r in report["scaling"]["runs"]))
+        lines.append("scaling  " + scaling_summary(report["scaling"]["runs"]))
     if "fsdp" in report:
         run = report["fsdp"]["run"]
         lines.append(f"fsdp     {run['processes']} processes{exited(run)}: {fmt(run['tokens_per_s'], ',.0f')} "
@@ -386,6 +415,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gpus", type=int, help="Processes of part 3 and the most of parts 1 and 2 "
                         "(default: every GPU; 2 with --tiny).")
     parser.add_argument("--steps", type=int, help="Steps of each scaling run (default 30; 4 with --tiny).")
+    parser.add_argument("--repeats", type=int, default=1, help="Scaling runs of each count, in turn (default 1).")
     parser.add_argument("--fsdp-steps", type=int, help="Steps of the run of part 3 (default 12; 4 with --tiny).")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="A recipe override for every command (repeatable), e.g. "
@@ -400,6 +430,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--parts: unknown part {unknown[0]!r}; expected some of {', '.join(PARTS)}" if unknown
                      else "--parts: name at least one part")
     args.parts = [p for p in PARTS if p in parts]
+    if args.repeats < 1:
+        parser.error(f"--repeats: at least 1, got {args.repeats}")
     if args.gpus is not None and args.gpus < 2:
         parser.error(f"--gpus: at least 2 processes, got {args.gpus}")
     skip = TINY_SKIP if args.tiny else SKIP
@@ -444,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
             work = Path(tempfile.mkdtemp(prefix="multi-gpu-", dir=args.work_dir)).resolve()
         else:
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="multi-gpu-"))).resolve()
-        plan = Plan(cuda=cuda, gpus=gpus, steps=args.steps or (4 if args.tiny else 30),
+        plan = Plan(cuda=cuda, gpus=gpus, steps=args.steps or (4 if args.tiny else 30), repeats=args.repeats,
                     fsdp_steps=args.fsdp_steps or (4 if args.tiny else 12), skip=TINY_SKIP if args.tiny else SKIP,
                     common=(*(tiny_overrides(work) if args.tiny else ()), *args.set))
         commands = Commands(work)

@@ -118,3 +118,22 @@ def test_overrides_given_with_set_reach_every_command(tmp_path: Path, monkeypatc
     script.main(["--tiny", "--parts", "scaling", "--set", "distributed.reshard_after_forward=false",
                  "--work-dir", str(tmp_path)])
     assert ran and all("distributed.reshard_after_forward=false" in argv for argv in ran)
+
+
+def test_repeats_run_the_counts_in_turn_and_average_the_one_process_rate(tmp_path: Path, monkeypatch):
+    script = load_script()
+    names = []
+    monkeypatch.setattr(script.Commands, "run", lambda self, argv, name: names.append(name) or script.Outcome(
+        name=name, command=" ".join(argv), exit_code=0, seconds=0.0, stdout="", log_tail=""))
+    rates = {"scaling-1-1": 100.0, "scaling-2-1": 180.0, "scaling-1-2": 110.0, "scaling-2-2": 168.0}
+    monkeypatch.setattr(script, "training_records", lambda run_dir: [
+        {"tokens_per_s": rates[run_dir.name], "peak_mem_gib": 0.0}] * 5)
+    plan = script.Plan(cuda=False, gpus=2, steps=5, repeats=2, fsdp_steps=4, skip=1, common=())
+    part = script.scaling_part(plan, script.Commands(tmp_path))
+    assert names == ["scaling-1-1", "scaling-2-1", "scaling-1-2", "scaling-2-2"]
+    assert [r["efficiency"] for r in part["runs"] if r["processes"] == 2] == pytest.approx([180 / 210, 168 / 210])
+    assert part["runs"][0]["step_spread"] == 0.0
+    assert script.scaling_summary(part["runs"]) == ("1: 105 tokens/s, 2: 174 tokens/s "
+                                                    "(efficiency 0.829, 0.800-0.857 over 2 runs)")
+    with pytest.raises(SystemExit):
+        script.parse_args(["--repeats", "0"])

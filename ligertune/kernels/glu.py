@@ -9,9 +9,10 @@ With s = sigmoid(g) = 1 / (1 + exp(-g)) and a = silu(g) = g / (1 + exp(-g)), rou
 
 Computed in float32 with the roundings of the eager `silu(gate) * up` and its autograd (a and
 dy * u are rounded to the dtype before the next product), so on a GPU the result matches it up to the
-last bit of `exp`. Elementwise, over flat memory or over the rows of column slices (gate and up
-side by side in one buffer); nothing but gate and up is saved for the backward, which can write the
-two gradients over them, where they are (`reuse_inputs`).
+last bit of `exp`. Elementwise over flat memory; nothing but gate and up is saved for the backward,
+which can write the two gradients over them (`reuse_inputs`). gate and up that are column slices of
+one wider buffer (side by side in a joined float8 GEMM's output) take kernels of their own, which
+read them, and write their gradients, where they lie: row by row, at their row strides.
 
 The file is not named after the public function `swiglu`: importing a submodule binds its name on
 the package, which would hide the `ligertune.kernels.swiglu` dispatcher.
@@ -32,96 +33,164 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def _swiglu_fwd_kernel(gate_ptr, up_ptr, y_ptr, stride_g, stride_u, stride_y, width, n_elements,
-                       BLOCK: tl.constexpr):
-    # A row of `width` elements (a block of flat memory, or a row of a column slice) per program
-    # row; int64: an MLP activation of 64k tokens x 14336 channels already passes 2^31 elements.
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = (cols < width) & (row * width + cols < n_elements)
+def _swiglu_fwd_kernel(gate_ptr, up_ptr, y_ptr, n_elements, BLOCK: tl.constexpr):
+    # int64: an MLP activation of 64k tokens x 14336 channels already passes 2^31 elements.
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_elements
     dtype = y_ptr.dtype.element_ty
-    b_g = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
-    b_u = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    b_g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    b_u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     b_a = (b_g / (1.0 + tl.exp(-b_g))).to(dtype).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + cols, (b_a * b_u).to(dtype), mask=mask)
+    tl.store(y_ptr + offs, (b_a * b_u).to(dtype), mask=mask)
 
 
 @triton.jit
-def _swiglu_bwd_kernel(dy_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, stride_dy, stride_g, stride_u, stride_dg,
-                       stride_du, width, n_elements, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = (cols < width) & (row * width + cols < n_elements)
+def _swiglu_bwd_kernel(dy_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n_elements, BLOCK: tl.constexpr):
+    # int64: an MLP activation of 64k tokens x 14336 channels already passes 2^31 elements.
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_elements
     dtype = dgate_ptr.dtype.element_ty
-    b_dy = tl.load(dy_ptr + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-    b_g = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
-    b_u = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    b_dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    b_g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    b_u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     b_den = 1.0 + tl.exp(-b_g)
     b_s = 1.0 / b_den
     b_a = (b_g / b_den).to(dtype).to(tl.float32)
     b_da = (b_dy * b_u).to(dtype).to(tl.float32)
-    tl.store(dup_ptr + row * stride_du + cols, (b_dy * b_a).to(dtype), mask=mask)
-    tl.store(dgate_ptr + row * stride_dg + cols, (b_da * b_s * (1.0 + b_g * (1.0 - b_s))).to(dtype), mask=mask)
+    tl.store(dup_ptr + offs, (b_dy * b_a).to(dtype), mask=mask)
+    tl.store(dgate_ptr + offs, (b_da * b_s * (1.0 + b_g * (1.0 - b_s))).to(dtype), mask=mask)
 
 
-class _Layout:
-    """How the kernels walk tensors of one shape. Contiguous ones: flat memory, a program row per
-    `BLOCK` elements. Otherwise (gate and up as column slices of one wider output, side by side:
-    `ligertune.models.float8.Float8Siblings`) rows of the last dimension's `width`, each tensor at
-    its own row stride, read and written where they are; a tensor whose layout is not such rows is
-    copied first."""
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1)
 
-    def __init__(self, *tensors: torch.Tensor):
-        self.n = tensors[0].numel()
-        self.flat = all(t.is_contiguous() for t in tensors)
-        self.width = BLOCK if self.flat else tensors[0].shape[-1]
-        rows = triton.cdiv(self.n, self.width) if self.width else 0
-        self.grid = (rows, triton.cdiv(self.width, BLOCK))
 
-    def __call__(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """(t as the kernels read it, its row stride)."""
-        if self.flat:
-            return t.view(-1), BLOCK
-        if t.stride(-1) == 1:
-            try:
-                rows = t.view(-1, self.width)
-                return rows, rows.stride(0)
-            except RuntimeError:
-                pass
-        return t.contiguous().view(-1, self.width), self.width
+def _strided_rows(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """gate and up as rows at their strides, where neither is contiguous and both are such rows;
+    None otherwise (the flat kernels then take them, contiguous or copied)."""
+    if gate.is_contiguous() or up.is_contiguous():
+        return None
+    rows = _as_rows(gate), _as_rows(up)
+    return None if rows[0] is None or rows[1] is None else rows
 
 
 def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, contiguous, shaped as gate."""
-    layout = _Layout(gate, up)
-    y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    if layout.n:
-        (g, stride_g), (u, stride_u), (out, stride_y) = layout(gate), layout(up), layout(y)
-        _swiglu_fwd_kernel[layout.grid](g, u, out, stride_g, stride_u, stride_y, layout.width, layout.n,
-                                        BLOCK=BLOCK, num_warps=NUM_WARPS)
-    return y
+    rows = _strided_rows(gate, up)
+    if rows is not None:
+        return _swiglu_rows_fwd(*rows).view(gate.shape)
+    g, u = _flat(gate), _flat(up)
+    y = torch.empty_like(g)
+    n = g.numel()
+    if n:
+        _swiglu_fwd_kernel[(triton.cdiv(n, BLOCK),)](g, u, y, n, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    return y.view(gate.shape)
 
 
 def swiglu_bwd(
     dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *, into_inputs: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dgate, dup), shaped as gate: written over gate and up when `into_inputs` (each element is
-    read before it is written, so the result is the same; where gate and up are where the kernel
-    reads them), else new and contiguous."""
-    layout = _Layout(dy, gate, up)
-    if not layout.n:
-        return torch.empty_like(gate), torch.empty_like(up)
-    (d, stride_dy), (g, stride_g), (u, stride_u) = layout(dy), layout(gate), layout(up)
+    """(dgate, dup), shaped as gate; written over gate and up when `into_inputs` (each element is
+    read before it is written, so the result is the same), where they lie when they are column
+    slices of a wider buffer; else contiguous."""
+    rows = _strided_rows(gate, up)
+    if rows is not None:
+        if into_inputs:
+            # Anything that still held on to gate or up now fails autograd's version check loudly.
+            torch.autograd.graph.increment_version((gate, up))
+        d = _as_rows(dy)
+        d = d if d is not None else dy.contiguous().view(rows[0].shape)
+        dgate, dup = _swiglu_rows_bwd(d, *rows, into_inputs=into_inputs)
+        return dgate.view(gate.shape), dup.view(gate.shape)
+    d, g, u = _flat(dy), _flat(gate), _flat(up)
     if into_inputs and g.data_ptr() == gate.data_ptr() and u.data_ptr() == up.data_ptr():
-        dgate, dup = gate, up
+        dgate, dup = g, u
         # Anything that still held on to gate or up now fails autograd's version check loudly.
         torch.autograd.graph.increment_version((gate, up))
-        (dg, stride_dg), (du, stride_du) = (g, stride_g), (u, stride_u)
+    else:
+        dgate, dup = torch.empty_like(g), torch.empty_like(u)
+    n = g.numel()
+    if n:
+        _swiglu_bwd_kernel[(triton.cdiv(n, BLOCK),)](d, g, u, dgate, dup, n, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    return dgate.view(gate.shape), dup.view(gate.shape)
+
+
+@triton.jit
+def _swiglu_rows_fwd_kernel(gate_ptr, up_ptr, y_ptr, stride_g, stride_u, width, BLOCK: tl.constexpr):
+    # One row of `width` columns per program row, each operand at its own row stride (y contiguous).
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    b_g = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    b_u = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * width + cols, _swiglu_value(b_g, b_u, y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_rows_bwd_kernel(dy_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, stride_dy, stride_g, stride_u,
+                            stride_dg, stride_du, width, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    b_dy = tl.load(dy_ptr + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+    b_g = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    b_u = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    b_dgate, b_dup = _swiglu_grads(b_dy, b_g, b_u, dgate_ptr.dtype.element_ty)
+    tl.store(dup_ptr + row * stride_du + cols, b_dup, mask=mask)
+    tl.store(dgate_ptr + row * stride_dg + cols, b_dgate, mask=mask)
+
+
+@triton.jit
+def _swiglu_value(b_g, b_u, dtype: tl.constexpr):
+    """silu(g) * u in `dtype`, with the flat kernel's roundings."""
+    b_a = (b_g / (1.0 + tl.exp(-b_g))).to(dtype).to(tl.float32)
+    return (b_a * b_u).to(dtype)
+
+
+@triton.jit
+def _swiglu_grads(b_dy, b_g, b_u, dtype: tl.constexpr):
+    """(dgate, dup) in `dtype`, with the flat kernel's roundings."""
+    b_den = 1.0 + tl.exp(-b_g)
+    b_s = 1.0 / b_den
+    b_a = (b_g / b_den).to(dtype).to(tl.float32)
+    b_da = (b_dy * b_u).to(dtype).to(tl.float32)
+    return (b_da * b_s * (1.0 + b_g * (1.0 - b_s))).to(dtype), (b_dy * b_a).to(dtype)
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor | None:
+    """t as [rows, last dimension] with its own row stride and a unit column stride, without a copy
+    (a column slice of a wider buffer: gate and up side by side in a joined float8 GEMM's output,
+    `ligertune.models.float8.Float8Siblings`); None where its layout is not such rows."""
+    if t.dim() < 2 or t.stride(-1) != 1:
+        return None
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return None
+
+
+def _row_grid(rows: torch.Tensor) -> tuple[int, int]:
+    return rows.shape[0], triton.cdiv(rows.shape[1], BLOCK)
+
+
+def _swiglu_rows_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if y.numel():
+        _swiglu_rows_fwd_kernel[_row_grid(gate)](gate, up, y, gate.stride(0), up.stride(0), gate.shape[1],
+                                                 BLOCK=BLOCK, num_warps=NUM_WARPS)
+    return y
+
+
+def _swiglu_rows_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *,
+                     into_inputs: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if into_inputs:
+        dgate, dup = gate, up
     else:
         dgate, dup = (torch.empty(gate.shape, dtype=gate.dtype, device=gate.device) for _ in range(2))
-        (dg, stride_dg), (du, stride_du) = layout(dgate), layout(dup)
-    _swiglu_bwd_kernel[layout.grid](d, g, u, dg, du, stride_dy, stride_g, stride_u, stride_dg, stride_du,
-                                    layout.width, layout.n, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    if gate.numel():
+        _swiglu_rows_bwd_kernel[_row_grid(gate)](dy, gate, up, dgate, dup, dy.stride(0), gate.stride(0),
+                                                 up.stride(0), dgate.stride(0), dup.stride(0), gate.shape[1],
+                                                 BLOCK=BLOCK, num_warps=NUM_WARPS)
     return dgate, dup
 
 

@@ -14,6 +14,10 @@ step's collectives keep the processes together), median shown:
     forward         `forward_backward(run, batches, backward=False)`
     forward+back    `forward_backward(run, batches, backward=True)`, the gradients then dropped
     step            `train_step(run, batches)`: the above, clipping, the update, the schedule
+    loop step       one step of `ligertune train`'s loop: the stop signals' check (a collective
+                    read back on several processes), the next batches, the step, its metrics record
+                    (`train.log_every` 1, as `scripts/multi_gpu.py` runs); its distance to `step` is
+                    what the loop adds around the step
 
 Then `PROFILED` steps under the profiler on every process; rank 0 prints the medians of its
 device's timeline over a step: kernels other than NCCL's (compute), NCCL's (communication), the part
@@ -42,7 +46,8 @@ from ligertune.distributed import (
     topology_from_environment,
 )
 from ligertune.recipe import load_recipe
-from ligertune.training import cleanup, forward_backward, next_batches, setup, train_step
+from ligertune.training import cleanup, forward_backward, log, next_batches, setup, train_step
+from ligertune.training.trainer import stop_requested
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "bench" / "llama-3.2-1b.yaml"
 OUTPUT = Path(tempfile.gettempdir()) / "ligertune-fsdp-probe"  # the run writes its metrics there, and is replaced
@@ -181,7 +186,8 @@ def main() -> None:
 
         phases = {"forward": timed(lambda: forward_backward(run, batches, backward=False)),
                   "forward+back": timed(lambda: forward_backward(run, batches, backward=True), drop_gradients),
-                  "step": timed(lambda: train_step(run, batches))}
+                  "step": timed(lambda: train_step(run, batches)),
+                  "loop step": timed(lambda: stop_requested(run, None) or log(run, train_step(run, next_batches(run))))}
         timelines = [t for _ in range(PROFILED) if (t := device_timeline(lambda: train_step(run, batches)))]
     finally:
         cleanup(run)
@@ -194,6 +200,7 @@ def main() -> None:
             print(f"| {name} | {ms:.1f} |")
         print(f"| backward (forward+back - forward) | {phases['forward+back'] - phases['forward']:.1f} |")
         print(f"| clipping, optimizer, schedule (step - forward+back) | {step - phases['forward+back']:.1f} |")
+        print(f"| the loop around the step (loop step - step) | {phases['loop step'] - step:.1f} |")
         if timelines:
             show_timelines(timelines)
 

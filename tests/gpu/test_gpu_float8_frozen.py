@@ -2,18 +2,25 @@
 its forward and input gradient are the products of the float8 operands with their scales (float64
 products of the dequantized operands, computed on the GPU), and close to bf16's. On the CPU torch's
 float8 GEMM is a reference implementation; here it is cuBLAS's, whose operand layouts and scale
-shapes the CPU does not check.
+shapes the CPU does not check. Siblings joined into one float8 GEMM (q, k, v; gate, up), with the
+patched kernels (SwiGLU's row kernels over gate and up side by side), train as the layers apart.
 
     TRITON_INTERPRET=0 python -m pytest -m gpu tests/gpu/test_gpu_float8_frozen.py -q
 """
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from test_gpu_fast_lora import loss_and_grads, with_adapters
+from test_gpu_models import SMALL_LLAMA
 
 from ligertune.kernels import quantize_rows
-from ligertune.models.float8 import Float8FrozenLinear
+from ligertune.models import patch_model, unpatch_model
+from ligertune.models.float8 import Float8FrozenLinear, freeze_to_float8
+from ligertune.models.lora import patch_lora
 from ligertune.numerics import relative_error
 
 pytestmark = [
@@ -45,3 +52,29 @@ def test_the_float8_products_at_8b_shapes(n_in, n_out):
     assert relative_error(x.grad, dx_exact) < 4e-3
     assert relative_error(y, x.detach().double() @ linear.weight.double().T) < 0.06
     assert relative_error(x.grad, dy.double() @ linear.weight.double()) < 0.06
+
+
+def test_joined_siblings_under_fast_lora_train_as_the_layers_apart():
+    bf16 = with_adapters(torch.bfloat16)
+    joined = copy.deepcopy(bf16)
+    freeze_to_float8(joined)
+    apart = copy.deepcopy(joined)
+    for layer in apart.modules():
+        if isinstance(layer, Float8FrozenLinear):
+            layer.siblings = None  # each layer its own GEMM, over the same float8 weights
+    models = (bf16, joined, apart)
+    ids = torch.randint(0, SMALL_LLAMA["vocab_size"], (2, 1024), device="cuda",
+                        generator=torch.Generator(device="cuda").manual_seed(1))
+    try:
+        for model in models:
+            patch_model(model)
+            patch_lora(model)
+        (loss_b, grads_b), (loss_j, grads_j), (loss_a, grads_a) = (loss_and_grads(m, ids) for m in models)
+    finally:  # the patches rebind names in the modeling module, for every later model of its family
+        for model in models:
+            unpatch_model(model)
+    assert relative_error(loss_j, loss_a) < 5e-3
+    assert relative_error(grads_j, grads_a) < 5e-2
+    # other float8 roundings of the same values (one scale a token for a group's output gradients):
+    # as far from the bf16 base's gradients as the layers apart are
+    assert relative_error(grads_j, grads_b) <= 1.2 * relative_error(grads_a, grads_b)

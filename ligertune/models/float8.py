@@ -43,6 +43,7 @@ from torch import nn
 
 from ligertune.errors import UserError
 from ligertune.kernels import quantize_rows, transpose_float8
+from ligertune.models.lora import SHARED_INPUTS
 from ligertune.quiet import quiet_optional_libraries
 
 EXTRA = "fp8"
@@ -167,9 +168,6 @@ class _FrozenFloat8Matmul(torch.autograd.Function):
         return dx, None
 
 
-JOINED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-"""Sibling layers whose float8 weights `freeze_to_float8` joins: those that every family of
-`ligertune.models.patching.PATCH_TABLE` calls on one tensor."""
 COPIED = ("v_proj",)
 """Layers whose part of a joined output the fast LoRA forward copies out: attention keeps v for its
 backward, and a column slice would keep q's and k's columns alive with it."""
@@ -246,12 +244,13 @@ def freeze_to_float8(model: nn.Module) -> int:
 
 
 def join_siblings(model: nn.Module) -> int:
-    """Join the float8 weights of each block's q, k and v, and of its gate and up (`JOINED`: each a
-    `Float8FrozenLinear`, or peft's LoRA layer over one), into one `Float8Siblings` where all are
-    float8, bias-free and read one width; return how many groups were joined."""
+    """Join the float8 weights of each block's q, k and v, and of its gate and up (the layers that
+    read one input, `ligertune.models.lora.SHARED_INPUTS`: each a `Float8FrozenLinear`, or peft's
+    LoRA layer over one), into one `Float8Siblings` where all are float8, bias-free and read one
+    width; return how many groups were joined."""
     joined = 0
     for block in model.modules():
-        for names in JOINED:
+        for names in SHARED_INPUTS:
             layers = [getattr(child, "base_layer", child) for child in (getattr(block, n, None) for n in names)]
             if (all(isinstance(layer, Float8FrozenLinear) and layer.bias is None and layer.siblings is None
                     for layer in layers)

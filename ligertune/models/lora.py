@@ -163,27 +163,25 @@ class _SharedInput:
                           lambda: shared_lora_a(x, [m.lora_A[a].weight for m, a in self.members]))
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
+        siblings = vars(self.members[0][0].base_layer).get("siblings")  # no exception for a plain base
+        if siblings is None:
+            return None
         if self._waiting_for("output", index, x):
             return self._take("output", index, x, None)
-        siblings = self._joined_base(x)
-        if siblings is None:
+        if not self._joins(siblings, x):
             return None
         return self._take("output", index, x, lambda: _joined_outputs(self.members, siblings, x))
 
-    def _joined_base(self, x: torch.Tensor):
-        """The group's float8 base layers joined as one (`Float8Siblings`), exactly these in this
-        order, where the whole group sums in place in x's dtype with one scaling; else None."""
-        first, adapter = self.members[0]
-        siblings = getattr(first.base_layer, "siblings", None)
-        if siblings is None or len(siblings.layers) != len(self.members):
-            return None
+    def _joins(self, siblings, x: torch.Tensor) -> bool:
+        """Whether the group's base layers are `siblings` (one `Float8Siblings`), exactly these in
+        this order, and the whole group sums in place in x's dtype with one scaling."""
+        if len(siblings.layers) != len(self.members):
+            return False
         if any(layer is not m.base_layer for layer, (m, _) in zip(siblings.layers, self.members)):
-            return None
+            return False
         lora = [(m.lora_A[a].weight, m.lora_B[a], m.scaling[a]) for m, a in self.members]
-        if any(a.dtype != x.dtype or b.weight.dtype != x.dtype or b.bias is not None or s != lora[0][2]
-               for a, b, s in lora):
-            return None
-        return siblings
+        return all(a.dtype == x.dtype and b.weight.dtype == x.dtype and b.bias is None and s == lora[0][2]
+                   for a, b, s in lora)
 
     def _waiting_for(self, kind: str, index: int, x: torch.Tensor) -> bool:
         return (self._x is x and x._version == self._version and self._kind == kind

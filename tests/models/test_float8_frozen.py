@@ -19,7 +19,7 @@ from tiny_recipe import write_recipe
 from ligertune.flops import StepFlops
 from ligertune.kernels import quantize_rows
 from ligertune.models.float8 import Float8FrozenLinear, float8_layers, freeze_to_float8
-from ligertune.models.lora import patch_lora
+from ligertune.models.lora import SHARED_INPUTS, patch_lora
 from ligertune.models.quantize import parameter_count
 from ligertune.numerics import relative_error
 from ligertune.recipe import load_recipe
@@ -140,7 +140,7 @@ def test_siblings_over_a_float8_base_run_as_one_gemm_with_the_values_of_each(mon
     model = lora_model(torch.float32)  # float32 around the float8 GEMMs: only their casts round
     exact = copy.deepcopy(model)  # its base in float32
     freeze_to_float8(model)
-    for names in float8.JOINED:  # each layer's weight: its rows of the joined one, no copy
+    for names in SHARED_INPUTS:  # each layer's weight: its rows of the joined one, no copy
         blocks = [m for m in model.modules() if hasattr(m, names[0])]
         assert len(blocks) == LAYERS
         for block in blocks:

@@ -160,7 +160,7 @@ def probe_step(recipe: Path, overrides: list[str], peers: bool) -> None:
             peak, sites = peak_allocations(step)
             print(f"\n{name}: {sum(kinds.values()):.1f} ms of kernels: "
                   + ", ".join(f"{k} {v:.1f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))
-            others = [k for k in kernels if kind_of(k[0]) == "other"]
+            others = [k for k in kernels[12:] if kind_of(k[0]) == "other"]  # not already among the first 12
             for kernel, ms, calls in kernels[:12] + others[:4]:
                 print(f"    {ms:8.2f} ms {calls:5d}x  {kind_of(kernel):12} {kernel[:100]}")
             print(f"  the host, {sum(ms for _, ms, _ in host):.1f} ms under the profiler; by operator (self time):")

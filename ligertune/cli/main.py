@@ -16,8 +16,8 @@ from ligertune.quiet import quiet_optional_libraries
 def main() -> None:
     """Console-script entry point."""
     stop_on_signals()
-    quiet_optional_libraries()
-    try:
+    try:  # from the moment the handlers are in: a signal anywhere after gets its one line
+        quiet_optional_libraries()
         from ligertune.cli.app import app
 
         sys.exit(app())

@@ -179,30 +179,6 @@ def test_siblings_over_a_float8_base_run_as_one_gemm_with_the_values_of_each(mon
     assert relative_error(joined, want) < 1.1 * relative_error(alone, want)
 
 
-def test_gate_and_up_gradients_reach_the_joined_gemm_where_swiglu_wrote_them(monkeypatch):
-    from ligertune.kernels import swiglu
-    from ligertune.models.lora import _SplitColumns
-
-    monkeypatch.setenv("LIGERTUNE_KERNELS", "triton")  # the kernel that writes over gate and up
-    torch.manual_seed(0)
-    leaf = torch.randn(2, 5, 14, requires_grad=True)
-    joined = leaf * 1  # a joined GEMM's output: gate's columns, then up's
-    seen = {}
-    joined.register_hook(lambda g: seen.setdefault("grad", g))
-    gate, up = _SplitColumns.apply(joined, [7, 7])
-    dy = torch.randn(2, 5, 7)
-    swiglu(gate, up, reuse_inputs=True).backward(dy)
-    gate0, up0 = (t.detach().requires_grad_(True) for t in leaf.detach().split(7, dim=-1))
-    swiglu(gate0, up0).backward(dy)
-    assert seen["grad"].data_ptr() == joined.data_ptr()  # no copy: SwiGLU's gradients, where it wrote them
-    assert torch.equal(leaf.grad, torch.cat([gate0.grad, up0.grad], dim=-1))
-    # gradients that are not one buffer's adjacent columns are joined by a copy, as torch.split's
-    q, v = _SplitColumns.apply(leaf * 1, [7, 7])
-    leaf.grad = None
-    (q.sum() + 2 * v.sum()).backward()
-    assert torch.equal(leaf.grad, torch.cat([torch.ones(2, 5, 7), torch.full((2, 5, 7), 2.0)], dim=-1))
-
-
 def test_a_float8_base_counts_as_the_model_it_stands_for():
     """The parameter count and the flops behind MFU see a float8 layer's weight, held as a buffer."""
     model = lora_model()

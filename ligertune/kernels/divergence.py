@@ -248,18 +248,18 @@ def _fused_linear_divergence_fwd_kernel(
 
 
 def _row_kernel_config(vocab: int) -> tuple[int, int]:
-    """(BLOCK_V, num_warps) of the row kernel.
+    """(BLOCK_V, num_warps) of the row kernel: 2048 columns over 4 warps.
 
-    Half the block of the cross-entropy kernel (8192 columns over 8 warps, timed in
+    A quarter of the cross-entropy kernel's block (8192 columns over 8 warps, timed in
     `cross_entropy.py`), for the values a block keeps live here: two rows and their log-probabilities
-    (and log M). Compiled for sm_90 (bf16, ptxas -v): 4096 columns over 8 warps take 102 registers
-    a thread (forward KL) to 164 (jsd with every option), no spills; 8192 take 207 to 230, near the
-    255 limit. On an H100 (docs/PERF.md) one program a row beat fewer programs taking rows in turn,
-    and 16 warps, at every shape.
+    (and log M). On an H100 (docs/PERF.md, 2026-11-28) 2048 over 4 warps was the fastest of eight
+    launches in five of six cases (JSD and forward KL at the three shapes of `bench kernels`; in
+    the sixth 2048 over 8 warps was 3% faster), 2-9% ahead of 4096 over 8; 8192 columns, near the
+    255-register limit, were the slowest, and one program a row beat fewer programs taking rows in
+    turn.
     """
-    block_v = min(triton.next_power_of_2(vocab), 4096)
-    num_warps = 8 if block_v >= 4096 else 4
-    return block_v, num_warps
+    block_v = min(triton.next_power_of_2(vocab), 2048)
+    return block_v, 4
 
 
 def divergence_chunk(

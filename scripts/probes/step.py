@@ -11,8 +11,9 @@ budget" (under "Fused linear cross-entropy").
 profiler and one under the allocator's history:
 
 - device time by kernel kind (GEMMs in bf16 and in float8, the casts to float8, attention, the
-  loss's row kernel, norms, RoPE, SwiGLU, optimizer, copies and elementwise kernels), and the
-  kernels that took the most;
+  loss's row kernel, norms, RoPE, SwiGLU, optimizer, copies and elementwise kernels), the
+  kernels that took the most, and the longest stretches with no kernel running, named by the
+  kernels on either side;
 - the host's time by operator (its own time, waits for the device included);
 - peak memory by phase (forward, backward, clipping + optimizer step);
 - at the step's peak, the live allocations by the line of Python that made them.
@@ -57,8 +58,10 @@ def kind_of(kernel: str) -> str:
     return next((kind for kind, pattern in KINDS if re.search(pattern, kernel, re.IGNORECASE)), "other")
 
 
-def profile_kinds(step) -> tuple[dict[str, float], list[tuple[str, float, int]]]:
-    """Device ms by kernel kind, and the kernels by device ms: (name, ms, calls)."""
+def profile_kinds(step) -> tuple[dict[str, float], list[tuple[str, float, int]], list[tuple[float, str, str]]]:
+    """Device ms by kernel kind; the kernels by device ms: (name, ms, calls); and the gaps in the
+    device's timeline (no kernel nor copy running), longest first: (ms, the kernel before, the one
+    after), the step's idle time being their sum."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -69,7 +72,22 @@ def profile_kinds(step) -> tuple[dict[str, float], list[tuple[str, float, int]]]
     for event in prof.key_averages():
         by_kind[kind_of(event.key)] += event.device_time_total / 1e3
         kernels.append((event.key, event.device_time_total / 1e3, event.count))
-    return dict(by_kind), sorted(kernels, key=lambda k: -k[1])
+    timeline = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA)
+    return dict(by_kind), sorted(kernels, key=lambda k: -k[1]), idle_gaps(timeline)
+
+
+def idle_gaps(timeline: list[tuple[float, float, str]]) -> list[tuple[float, str, str]]:
+    """(ms, before, after) for each stretch of the sorted (start us, end us, name) intervals that no
+    interval covers, longest first."""
+    gaps = []
+    busy_until, last = None, ""
+    for start, end, name in timeline:
+        if busy_until is not None and start > busy_until:
+            gaps.append(((start - busy_until) / 1e3, last, name))
+        if busy_until is None or end >= busy_until:
+            busy_until, last = end, name
+    return sorted(gaps, reverse=True)
 
 
 def _site(frames) -> str:
@@ -155,7 +173,7 @@ def probe_step(recipe: Path, overrides: list[str], peers: bool) -> None:
             finally:
                 torch.Tensor.backward = original[1]
                 recording[0] = False
-            kinds, kernels = profile_kinds(step)
+            kinds, kernels, gaps = profile_kinds(step)
             host = host_ops(step)
             peak, sites = peak_allocations(step)
             print(f"\n{name}: {sum(kinds.values()):.1f} ms of kernels: "
@@ -163,6 +181,10 @@ def probe_step(recipe: Path, overrides: list[str], peers: bool) -> None:
             others = [k for k in kernels[12:] if kind_of(k[0]) == "other"]  # not already among the first 12
             for kernel, ms, calls in kernels[:12] + others[:4]:
                 print(f"    {ms:8.2f} ms {calls:5d}x  {kind_of(kernel):12} {kernel[:100]}")
+            print(f"  the device idle {sum(ms for ms, _, _ in gaps):.1f} ms in {len(gaps)} gaps; the longest, "
+                  "between the kernels named:")
+            for ms, before, after in gaps[:8]:
+                print(f"    {ms:8.2f} ms  {before[:60]}  ->  {after[:60]}")
             print(f"  the host, {sum(ms for _, ms, _ in host):.1f} ms under the profiler; by operator (self time):")
             for op, ms, calls in host[:12]:
                 print(f"    {ms:8.2f} ms {calls:5d}x  {op[:100]}")

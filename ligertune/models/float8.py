@@ -191,6 +191,10 @@ class Float8Siblings:
         for layer, weight, scale in zip(layers, self.weight.split(self.sizes), self.weight_scale.split(self.sizes)):
             layer.weight, layer.weight_scale, layer.siblings = weight, scale, self
 
+    def accepts(self, x: torch.Tensor) -> bool:
+        """Any input: it is cast to float8 at each call."""
+        return True
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return _FrozenFloat8Matmul.apply(x, self)
 

@@ -18,7 +18,7 @@ from ligertune.devices import resolve_dtype
 from ligertune.errors import EnvironmentFault, UserError, first_line
 from ligertune.models.attention import register_packed_attention
 from ligertune.models.presets import PRESETS, preset_fields
-from ligertune.models.quantize import bnb_config, keep_cpu_layout, quantize_linears
+from ligertune.models.quantize import bnb_config, quantize_linears, settle_quantized
 from ligertune.recipe import ModelConfig, describe_value
 
 # Config keys `transformers` still accepts under their older names (and converts).
@@ -130,7 +130,7 @@ def build_model(
             f"{key}: cannot load a model from {source!r}: {first_line(err)}"
         ) from None
     if quantized:
-        keep_cpu_layout(model)
+        settle_quantized(model)
     else:
         model.to(device)
     if vocab_size is not None and vocab_size > model.get_input_embeddings().num_embeddings:

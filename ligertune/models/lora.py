@@ -47,6 +47,11 @@ Over a quantized base (QLoRA) base(x) is the bitsandbytes layer's own product an
 above; where peft's rounding is kept (float32 adapters), it is that of peft's bitsandbytes layers,
 which cast the adapter product to the output's dtype before the sum.
 
+Where a group's base layers are joined (float8 layers: `Float8Siblings`; 4-bit ones: `Nf4Siblings`)
+and its adapters sum in place, the whole group is one base GEMM over the joined weight and one
+adapter GEMM over the block-diagonal B (`_joined_outputs`), its output split by columns; backward
+then takes the group's gradients as one, and the base's gradient of x is one GEMM for the group.
+
 With dropout 0 peft's `Identity` is not called. What is left to autograd: per layer, the columns of
 U (tokens x r, for grad B) and the adapter weights; per group, x. The parameters and modules are
 peft's own, untouched, so `save_pretrained`, `PeftModel.from_pretrained`, `merge_and_unload` and
@@ -146,9 +151,9 @@ class _SharedInput:
     """LoRA layers of one block that read the same input, in the order of `SHARED_INPUTS`.
 
     `product(i, x)` returns layer i's x_a A_i^T; `output(i, x)` layer i's whole output, where the
-    group's base layers are one `Float8Siblings` (else None). The first call for a tensor x computes
-    the parts of every layer of the group and keeps the others' until they are asked for with that
-    same x; the last one taken releases x.
+    group's base layers are joined (`Float8Siblings`, `Nf4Siblings`; else None). The first call for
+    a tensor x computes the parts of every layer of the group and keeps the others' until they are
+    asked for with that same x; the last one taken releases x.
     """
 
     def __init__(self, members: list[tuple[nn.Module, str]]):
@@ -173,9 +178,9 @@ class _SharedInput:
         return self._take("output", index, x, lambda: _joined_outputs(self.members, siblings, x))
 
     def _joins(self, siblings, x: torch.Tensor) -> bool:
-        """Whether the group's base layers are `siblings` (one `Float8Siblings`), exactly these in
-        this order, and the whole group sums in place in x's dtype with one scaling."""
-        if len(siblings.layers) != len(self.members):
+        """Whether the group's base layers are `siblings`, exactly these in this order, that take x
+        as it is, and the whole group sums in place in x's dtype with one scaling."""
+        if len(siblings.layers) != len(self.members) or not siblings.accepts(x):
             return False
         if any(layer is not m.base_layer for layer, (m, _) in zip(siblings.layers, self.members)):
             return False
@@ -205,9 +210,10 @@ class _SharedInput:
 
 
 def _joined_outputs(members: list[tuple[nn.Module, str]], siblings, x: torch.Tensor) -> list[torch.Tensor]:
-    """Every member's y_i = base_i(x) + s U_i B_i^T over one float8 weight (`Float8Siblings`):
+    """Every member's y_i = base_i(x) + s U_i B_i^T over joined base layers (`Float8Siblings`,
+    `Nf4Siblings`):
 
-        Y = base(x)                                 one float8 GEMM over the joined weight
+        Y = base(x)                                 one GEMM over the joined weight
         Y += s U cat_diag(B_i)^T                    U = x_a cat(A_i)^T; in place, one GEMM
 
     then Y split by columns (`_SplitColumns`). B's block-diagonal matrix multiplies zeros outside
@@ -271,7 +277,7 @@ def _fast_lora_forward(
     if args or kwargs or not _fast_now(module, x, adapter):
         return type(module).forward(module, x, *args, **kwargs)
     joined = group.output(index, x)
-    if joined is not None:  # float8 siblings: the whole group's outputs from one GEMM
+    if joined is not None:  # joined siblings: the whole group's outputs from one GEMM
         return joined.view(*x.shape[:-1], joined.shape[-1])
     # 2-D from the start, so that the in-place sum below acts on the base output itself, not on a
     # view of it (autograd would then copy the whole gradient through CopySlices); a view for the

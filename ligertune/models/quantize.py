@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from ligertune.errors import UserError
-from ligertune.models.float8 import Float8FrozenLinear
+from ligertune.models.float8 import COPIED, Float8FrozenLinear
+from ligertune.models.lora import SHARED_INPUTS
 from ligertune.quiet import quiet_optional_libraries
 
 QUANTIZATIONS = ("nf4", "int8")
@@ -86,8 +87,16 @@ def quantize_linears(model: nn.Module, kind: str, dtype: torch.dtype) -> int:
         linear = model.get_submodule(name)
         model.set_submodule(name, _quantized(bnb, linear, kind, dtype))
     setattr(model, "is_loaded_in_4bit" if kind == "nf4" else "is_loaded_in_8bit", True)
-    keep_cpu_layout(model)
+    settle_quantized(model)
     return len(names)
+
+
+def settle_quantized(model: nn.Module) -> None:
+    """What a model gets once its layers are quantized (by `quantize_linears`, or as it loads): its
+    4-bit weights kept in their layout (`keep_cpu_layout`), its 4-bit siblings joined
+    (`join_nf4_siblings`)."""
+    keep_cpu_layout(model)
+    join_nf4_siblings(model)
 
 
 def keep_cpu_layout(model: nn.Module) -> None:
@@ -101,6 +110,83 @@ def keep_cpu_layout(model: nn.Module) -> None:
     for module in model.modules():
         if layer_quantization(module) == "nf4":
             module.support_avx512bf16_for_cpu = False
+
+
+class Nf4Siblings:
+    """bitsandbytes NF4 layers that read one input (q, k, v; gate, up), multiplied as one.
+
+    Called on a 2-D input x: the layers' weights dequantized side by side into one buffer of x's
+    dtype (bitsandbytes' `dequantize_4bit`, each into its own rows) and one GEMM, the layers'
+    outputs side by side in the order of `layers`; backward dequantizes them again and multiplies
+    the joined gradient in one GEMM, the input's gradient summed over the layers in the GEMM's
+    float32 accumulator. Each layer alone (bitsandbytes' `MatMul4Bit`, at training sizes) does the
+    same per layer: dequantize, multiply, and in backward one product a layer, which autograd then
+    adds up in x's dtype. Nothing is kept for backward; the stored weights are untouched.
+    `copied`: for each layer, whether the fast LoRA forward copies its part out (`COPIED`)."""
+
+    def __init__(self, layers: list[nn.Module], copied: tuple[bool, ...] | None = None):
+        self.layers = tuple(layers)
+        self.copied = copied or (False,) * len(layers)
+        self.sizes = [layer.out_features for layer in layers]
+        for layer in layers:
+            layer.siblings = self
+
+    def accepts(self, x: torch.Tensor) -> bool:
+        """Whether each layer alone would multiply x as it is: in x's dtype, with its quantization
+        state on the weight and in the layout it was quantized in."""
+        for layer in self.layers:
+            state = getattr(layer.weight, "quant_state", None)
+            if (state is None or state.dtype != x.dtype or layer.compute_dtype not in (None, x.dtype)
+                    or getattr(state, "packing_format_for_cpu", False) or layer.weight.device != x.device):
+                return False
+        return True
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """[sum of out_features, in_features]: every layer's weight, dequantized, in `dtype`."""
+        import bitsandbytes as bnb
+
+        first = self.layers[0]
+        weight = torch.empty(sum(self.sizes), first.in_features, dtype=dtype, device=first.weight.device)
+        for layer, rows in zip(self.layers, weight.split(self.sizes)):
+            if rows.is_cuda:
+                bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state, out=rows)
+            else:  # bitsandbytes writes into a given buffer on CUDA only
+                rows.copy_(bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state))
+        return weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _JoinedNf4Matmul.apply(x, self)
+
+
+class _JoinedNf4Matmul(torch.autograd.Function):
+    """y = x W^T over `Nf4Siblings`' dequantized weights; dx = dy W, W dequantized again."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, siblings: Nf4Siblings) -> torch.Tensor:
+        ctx.siblings = siblings
+        return torch.nn.functional.linear(x, siblings.dequantized(x.dtype))
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        if not ctx.needs_input_grad[0]:
+            return None, None
+        return dy @ ctx.siblings.dequantized(dy.dtype), None
+
+
+def join_nf4_siblings(model: nn.Module) -> int:
+    """Make each block's 4-bit q, k and v, and its 4-bit gate and up (`SHARED_INPUTS`: bitsandbytes
+    NF4 layers, or peft's LoRA layers over them) one `Nf4Siblings` where all are bias-free and read
+    one width on one device; return how many groups were joined."""
+    joined = 0
+    for block in model.modules():
+        for names in SHARED_INPUTS:
+            layers = [getattr(child, "base_layer", child) for child in (getattr(block, n, None) for n in names)]
+            if (all(layer_quantization(layer) == "nf4" and layer.bias is None
+                    and vars(layer).get("siblings") is None for layer in layers)
+                    and len({(layer.in_features, layer.weight.device) for layer in layers}) == 1):
+                Nf4Siblings(layers, tuple(name in COPIED for name in names))
+                joined += 1
+    return joined
 
 
 def _quantized(bnb: Any, linear: nn.Linear, kind: str, dtype: torch.dtype) -> nn.Module:

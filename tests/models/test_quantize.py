@@ -9,6 +9,7 @@ rows with the wrong scale, which no real model's layer width (a multiple of 64) 
 from __future__ import annotations
 
 import importlib.util
+import copy
 import json
 import sys
 
@@ -196,3 +197,105 @@ def test_missing_bitsandbytes_names_the_extra(source, tmp_path, monkeypatch):
     assert "\n" not in message
     assert message.startswith("model.quantization: nf4 needs bitsandbytes")
     assert "pip install 'ligertune[qlora]'" in message
+
+
+def lora_over_nf4(dtype: torch.dtype, source: str = "config", tmp_path=None) -> nn.Module:
+    """`tiny()` in `dtype`, NF4 (from its config, or loaded from a saved copy), LoRA r=4 on every
+    linear layer with random adapters in `dtype`, as `ligertune train` builds it under `kernels.lora`."""
+    import peft
+
+    from ligertune.models.lora import cast_adapters
+
+    if source == "config":
+        model = tiny().to(dtype)
+        quantize_linears(model, "nf4", dtype)
+    else:
+        tiny().save_pretrained(tmp_path / "model")
+        model = build_model(ModelConfig(name_or_path=str(tmp_path / "model"), quantization="nf4", attention="sdpa"),
+                            device="cpu", dtype=dtype)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    model = peft.get_peft_model(model, lora, autocast_adapter_dtype=False)
+    cast_adapters(model, dtype)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:  # B starts at zero, and A would get no gradient
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    return model
+
+
+def loss_and_grads(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    ids = torch.randint(0, TINY["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids).logits.float()
+    loss = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    return loss.detach(), {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def without_siblings(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose 4-bit layers each multiply alone (bitsandbytes' own product)."""
+    apart = copy.deepcopy(model)
+    for layer in apart.modules():
+        vars(layer).pop("siblings", None)
+    return apart
+
+
+@needs_bitsandbytes
+@pytest.mark.parametrize("source", ["pretrained", "config"])
+def test_nf4_siblings_multiply_as_one_gemm_with_the_values_of_each(source, tmp_path, monkeypatch):
+    """q, k, v and gate, up of each block are joined (`Nf4Siblings`), however the model was
+    quantized; under the fast LoRA forward each group's base is one GEMM forward and one backward
+    over the layers' dequantized weights, with the loss and gradients of the layers apart (float32:
+    only the order of the sums differs)."""
+    from ligertune.models import quantize
+    from ligertune.models.lora import SHARED_INPUTS, patch_lora
+
+    model = lora_over_nf4(torch.float32, source, tmp_path)
+    for names in SHARED_INPUTS:
+        blocks = [m for m in model.modules() if hasattr(m, names[0])]
+        assert len(blocks) == TINY["num_hidden_layers"]
+        for block in blocks:
+            layers = tuple(getattr(block, name).base_layer for name in names)
+            assert all(layer.siblings.layers == layers for layer in layers)
+    apart = without_siblings(model)
+    copied = copy.deepcopy(model)  # a copy's siblings are its own layers
+    own = {id(m) for m in copied.modules()}
+    assert all(id(layer) in own for m in copied.modules() if "siblings" in vars(m) for layer in m.siblings.layers)
+    for each in (model, apart):
+        patch_lora(each)
+    calls = []
+    dequantized = quantize.Nf4Siblings.dequantized
+    monkeypatch.setattr(quantize.Nf4Siblings, "dequantized", lambda self, dtype: calls.append(1) or dequantized(self, dtype))
+    loss, grads = loss_and_grads(model)
+    joined_calls, calls[:] = len(calls), []
+    loss0, grads0 = loss_and_grads(apart)
+    # 2 groups a block, forward and backward, but for the first block's q, k and v, whose input
+    # (the frozen embeddings, normed) needs no gradient
+    assert (joined_calls, len(calls)) == (4 * TINY["num_hidden_layers"] - 1, 0)
+    assert relative_error(loss, loss0) < 1e-6
+    assert grads.keys() == grads0.keys()
+    for name in grads:
+        assert relative_error(grads[name], grads0[name]) < 1e-5, name
+
+
+@needs_bitsandbytes
+def test_nf4_siblings_in_bf16_are_as_close_to_float32_as_the_layers_apart():
+    """In bf16 a joined input gradient is summed over the group in the GEMM's float32 accumulator,
+    where apart each layer's product is rounded and then added in bf16: as close to the same model
+    computed in float32, or closer. Siblings refuse an input of another dtype than their weights'."""
+    from ligertune.models.lora import patch_lora
+
+    model = lora_over_nf4(torch.bfloat16)
+    apart = without_siblings(model)
+    oracle = copy.deepcopy(model)
+    dequantize_linears(oracle, torch.float32)
+    oracle.float()
+    for each in (model, apart):
+        patch_lora(each)
+    (_, joined), (_, alone), (_, want) = (loss_and_grads(m) for m in (model, apart, oracle))
+    joined, alone, want = (torch.cat([g[n].flatten() for n in want]) for g in (joined, alone, want))
+    assert relative_error(joined, want) < 1.1 * relative_error(alone, want)
+    siblings = next(vars(m)["siblings"] for m in model.modules() if "siblings" in vars(m))
+    assert siblings.accepts(torch.zeros(1, TINY["hidden_size"], dtype=torch.bfloat16))
+    assert not siblings.accepts(torch.zeros(1, TINY["hidden_size"], dtype=torch.float32))

@@ -14,10 +14,13 @@ step's collectives keep the processes together), median shown:
     forward         `forward_backward(run, batches, backward=False)`
     forward+back    `forward_backward(run, batches, backward=True)`, the gradients then dropped
     step            `train_step(run, batches)`: the above, clipping, the update, the schedule
+    step, new data  `train_step(run, next_batches(run))`: the step over the data's next batches,
+                    each repeat its own (their packs differ from the first's in conversations and
+                    tokens: its distance to `step` is the data's, not the loop's)
     loop step       one step of `ligertune train`'s loop: the stop signals' check (a collective
                     read back on several processes), the next batches, the step, its metrics record
-                    (`train.log_every` 1, as `scripts/multi_gpu.py` runs); its distance to `step` is
-                    what the loop adds around the step
+                    (`train.log_every` 1, as `scripts/multi_gpu.py` runs); its distance to `step,
+                    new data` is what the loop adds around the step
 
 Then `PROFILED` steps under the profiler on every process; rank 0 prints the medians of its
 device's timeline over a step: kernels other than NCCL's (compute), NCCL's (communication), the part
@@ -187,6 +190,7 @@ def main() -> None:
         phases = {"forward": timed(lambda: forward_backward(run, batches, backward=False)),
                   "forward+back": timed(lambda: forward_backward(run, batches, backward=True), drop_gradients),
                   "step": timed(lambda: train_step(run, batches)),
+                  "step, new data": timed(lambda: train_step(run, next_batches(run))),
                   "loop step": timed(lambda: stop_requested(run, None) or log(run, train_step(run, next_batches(run))))}
         timelines = [t for _ in range(PROFILED) if (t := device_timeline(lambda: train_step(run, batches)))]
     finally:
@@ -200,7 +204,9 @@ def main() -> None:
             print(f"| {name} | {ms:.1f} |")
         print(f"| backward (forward+back - forward) | {phases['forward+back'] - phases['forward']:.1f} |")
         print(f"| clipping, optimizer, schedule (step - forward+back) | {step - phases['forward+back']:.1f} |")
-        print(f"| the loop around the step (loop step - step) | {phases['loop step'] - step:.1f} |")
+        print(f"| the data (step, new data - step) | {phases['step, new data'] - step:.1f} |")
+        print(f"| the loop around the step (loop step - step, new data) | "
+              f"{phases['loop step'] - phases['step, new data']:.1f} |")
         if timelines:
             show_timelines(timelines)
 

@@ -10,16 +10,20 @@ import os
 
 import torch
 
-from ligertune.kernels.types import DIVERGENCES, DivergenceOptions, DivergenceOutput, LossOptions, LossOutput
+from ligertune.kernels.types import (
+    DIVERGENCES, BlockScales, DivergenceOptions, DivergenceOutput, LossOptions, LossOutput,
+)
 
 __all__ = [
     "DIVERGENCES",
+    "BlockScales",
     "DivergenceOptions",
     "DivergenceOutput",
     "LossOptions",
     "LossOutput",
     "active_path",
     "apply_rope",
+    "dequantize_4bit",
     "fused_linear_cross_entropy",
     "fused_linear_divergence",
     "lion_step",
@@ -144,6 +148,12 @@ def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tup
     """A 2-D tensor to float8 (e4m3) with one scale per row: (q, scale [rows] float32), x ~ q * scale
     (times `col_scale` elementwise first, when given); see `float8_rows`."""
     return _impl("quantize_rows", x.device)(x, col_scale)
+
+
+def dequantize_4bit(packed: torch.Tensor, table: torch.Tensor, scales: BlockScales, out: torch.Tensor) -> torch.Tensor:
+    """`out` filled with the weights of 4-bit codes in bitsandbytes' layout (two a byte of `packed`,
+    the high half first): table[code_i] times the scale of i's block (`scales`); see `nf4`."""
+    return _impl("dequantize_4bit", packed.device)(packed, table, scales, out)
 
 
 def transpose_float8(x: torch.Tensor) -> torch.Tensor:

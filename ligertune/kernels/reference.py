@@ -22,7 +22,7 @@ import torch
 from ligertune.kernels.chunked_divergence import ChunkDivergence, chunked_linear_divergence
 from ligertune.kernels.chunked_loss import ChunkLoss, chunked_linear_cross_entropy
 from ligertune.kernels.types import (
-    AMAX_FLOOR, FLOAT8, FLOAT8_MAX, DivergenceOptions, DivergenceOutput, LossOptions, LossOutput,
+    AMAX_FLOOR, FLOAT8, FLOAT8_MAX, BlockScales, DivergenceOptions, DivergenceOutput, LossOptions, LossOutput,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -475,3 +475,22 @@ def transpose_float8(x: torch.Tensor) -> torch.Tensor:
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"transpose_float8: expected a contiguous 2-D tensor, got shape {tuple(x.shape)}")
     return x.t().contiguous()
+
+
+def dequantize_4bit(packed: torch.Tensor, table: torch.Tensor, scales: BlockScales, out: torch.Tensor) -> torch.Tensor:
+    """`out` filled with table[code_i] * scale_{i // blocksize}, the codes two a byte of `packed`, the
+    high half first (`nf4.dequantize_4bit`'s formula), in float32 and rounded once to out's dtype."""
+    if not out.is_contiguous() or out.numel() != 2 * packed.numel():
+        raise ValueError(f"dequantize_4bit: out must be contiguous with 2 weights a byte of the codes; got "
+                         f"{out.numel()} for {packed.numel()} bytes")
+    packed = packed.reshape(-1).int()
+    codes = torch.stack([packed >> 4, packed & 15], dim=1).reshape(-1)
+    blocks = torch.arange(codes.numel(), device=codes.device) // scales.blocksize
+    if scales.code is None:
+        scale = scales.absmax.float()[blocks]
+    else:
+        scale = scales.code[scales.absmax.long()] * scales.absmax2[torch.arange(
+            scales.absmax.numel(), device=codes.device) // scales.nested_blocksize]
+        scale = (scale + scales.offset)[blocks]
+    out.view(-1).copy_(table[codes.long()] * scale)
+    return out

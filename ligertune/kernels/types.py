@@ -23,6 +23,20 @@ AMAX_FLOOR = 1e-12
 """The smallest row maximum a float8 scale is taken from: an all-zero row stays zeros."""
 
 
+@dataclass(frozen=True)
+class BlockScales:
+    """The scale of each block of `blocksize` 4-bit weights (`dequantize_4bit`): `absmax` itself
+    (float32), or, double-quantized, code[absmax_b] * absmax2[b // nested_blocksize] + offset, with
+    `absmax` one byte a block, `code` its 256 values and `offset` a 0-d tensor (float32)."""
+
+    absmax: torch.Tensor
+    blocksize: int
+    code: torch.Tensor | None = None
+    absmax2: torch.Tensor | None = None
+    offset: torch.Tensor | None = None
+    nested_blocksize: int = 256
+
+
 def loss_head_output(cls: type) -> type:
     """Registers a dataclass that the loss head returns with torch's pytree, so that FSDP2 finds its
     tensors. FSDP2 hooks the root module's backward (which reduces the root's gradients over the

@@ -22,6 +22,11 @@ A pretrained model is quantized tensor by tensor as `from_pretrained` loads it (
 `BitsAndBytesConfig`: the full-precision model never sits on the device); a model built from a
 config, with random weights, is built in `model.dtype` and its layers are replaced one by one
 (`quantize_linears`), with the same bitsandbytes settings: both give the same stored weights.
+
+Either way the 4-bit layers of a block that read one input (q, k, v; gate, up) are then joined, and
+the others stand alone (`Nf4Siblings`): where the fast LoRA forward runs over them, their weights are
+dequantized side by side in one pass (`ligertune.kernels.dequantize_4bit`) and multiplied as one, as
+the float8 layers' are (`ligertune.models.float8`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch
 from torch import nn
 
 from ligertune.errors import UserError
+from ligertune.kernels import BlockScales, dequantize_4bit
 from ligertune.models.float8 import COPIED, Float8FrozenLinear
 from ligertune.models.lora import SHARED_INPUTS
 from ligertune.quiet import quiet_optional_libraries
@@ -113,16 +119,18 @@ def keep_cpu_layout(model: nn.Module) -> None:
 
 
 class Nf4Siblings:
-    """bitsandbytes NF4 layers that read one input (q, k, v; gate, up), multiplied as one.
+    """bitsandbytes NF4 layers that read one input (q, k, v; gate, up), or one such layer alone,
+    multiplied as one.
 
     Called on a 2-D input x: the layers' weights dequantized side by side into one buffer of x's
-    dtype (bitsandbytes' `dequantize_4bit`, each into its own rows) and one GEMM, the layers'
-    outputs side by side in the order of `layers`; backward dequantizes them again and multiplies
-    the joined gradient in one GEMM, the input's gradient summed over the layers in the GEMM's
-    float32 accumulator. Each layer alone (bitsandbytes' `MatMul4Bit`, at training sizes) does the
-    same per layer: dequantize, multiply, and in backward one product a layer, which autograd then
-    adds up in x's dtype. Nothing is kept for backward; the stored weights are untouched.
-    `copied`: for each layer, whether the fast LoRA forward copies its part out (`COPIED`)."""
+    dtype (`ligertune.kernels.dequantize_4bit`: one pass, each layer into its own rows) and one
+    GEMM, the layers' outputs side by side in the order of `layers`; backward dequantizes them
+    again and multiplies the joined gradient in one GEMM, the input's gradient summed over the
+    layers in the GEMM's float32 accumulator. Each layer alone through bitsandbytes (`MatMul4Bit`,
+    at training sizes) does the same per layer: dequantize (two kernels), multiply, and in backward
+    one product a layer, which autograd then adds up in x's dtype. Nothing is kept for backward;
+    the stored weights are untouched. `copied`: for each layer, whether the fast LoRA forward
+    copies its part out (`COPIED`)."""
 
     def __init__(self, layers: list[nn.Module], copied: tuple[bool, ...] | None = None):
         self.layers = tuple(layers)
@@ -132,30 +140,35 @@ class Nf4Siblings:
             layer.siblings = self
 
     def accepts(self, x: torch.Tensor) -> bool:
-        """Whether each layer alone would multiply x as it is: in x's dtype, with its quantization
-        state on the weight and in the layout it was quantized in."""
+        """Whether each layer alone would multiply x as it is: in x's dtype, with its NF4 state on the
+        weight, in the layout it was quantized in, on x's device."""
         for layer in self.layers:
             state = getattr(layer.weight, "quant_state", None)
-            if (state is None or state.dtype != x.dtype or layer.compute_dtype not in (None, x.dtype)
-                    or getattr(state, "packing_format_for_cpu", False) or layer.weight.device != x.device):
+            if (state is None or state.quant_type != "nf4" or state.dtype != x.dtype
+                    or layer.compute_dtype not in (None, x.dtype) or getattr(state, "packing_format_for_cpu", False)
+                    or layer.weight.device != x.device):
                 return False
         return True
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """[sum of out_features, in_features]: every layer's weight, dequantized, in `dtype`."""
-        import bitsandbytes as bnb
-
         first = self.layers[0]
         weight = torch.empty(sum(self.sizes), first.in_features, dtype=dtype, device=first.weight.device)
         for layer, rows in zip(self.layers, weight.split(self.sizes)):
-            if rows.is_cuda:
-                bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state, out=rows)
-            else:  # bitsandbytes writes into a given buffer on CUDA only
-                rows.copy_(bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state))
+            state = layer.weight.quant_state
+            dequantize_4bit(layer.weight.data, state.code, block_scales(state), rows)
         return weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return _JoinedNf4Matmul.apply(x, self)
+
+
+def block_scales(state) -> BlockScales:
+    """The block scales of a bitsandbytes 4-bit `QuantState`, double-quantized or not."""
+    if not state.nested:
+        return BlockScales(state.absmax, state.blocksize)
+    return BlockScales(state.absmax, state.blocksize, state.state2.code, state.state2.absmax, state.offset,
+                       state.state2.blocksize)
 
 
 class _JoinedNf4Matmul(torch.autograd.Function):
@@ -176,17 +189,24 @@ class _JoinedNf4Matmul(torch.autograd.Function):
 def join_nf4_siblings(model: nn.Module) -> int:
     """Make each block's 4-bit q, k and v, and its 4-bit gate and up (`SHARED_INPUTS`: bitsandbytes
     NF4 layers, or peft's LoRA layers over them) one `Nf4Siblings` where all are bias-free and read
-    one width on one device; return how many groups were joined."""
+    one width on one device, and every other bias-free NF4 layer one alone; return how many groups
+    of several were joined."""
     joined = 0
     for block in model.modules():
         for names in SHARED_INPUTS:
             layers = [getattr(child, "base_layer", child) for child in (getattr(block, n, None) for n in names)]
-            if (all(layer_quantization(layer) == "nf4" and layer.bias is None
-                    and vars(layer).get("siblings") is None for layer in layers)
-                    and len({(layer.in_features, layer.weight.device) for layer in layers}) == 1):
+            if all(_joinable(layer) for layer in layers) and len({(layer.in_features, layer.weight.device)
+                                                                  for layer in layers}) == 1:
                 Nf4Siblings(layers, tuple(name in COPIED for name in names))
                 joined += 1
+    for layer in model.modules():
+        if _joinable(layer):
+            Nf4Siblings([layer])
     return joined
+
+
+def _joinable(layer: nn.Module | None) -> bool:
+    return layer_quantization(layer) == "nf4" and layer.bias is None and vars(layer).get("siblings") is None
 
 
 def _quantized(bnb: Any, linear: nn.Linear, kind: str, dtype: torch.dtype) -> nn.Module:

@@ -244,10 +244,10 @@ def without_siblings(model: nn.Module) -> nn.Module:
 @needs_bitsandbytes
 @pytest.mark.parametrize("source", ["pretrained", "config"])
 def test_nf4_siblings_multiply_as_one_gemm_with_the_values_of_each(source, tmp_path, monkeypatch):
-    """q, k, v and gate, up of each block are joined (`Nf4Siblings`), however the model was
-    quantized; under the fast LoRA forward each group's base is one GEMM forward and one backward
-    over the layers' dequantized weights, with the loss and gradients of the layers apart (float32:
-    only the order of the sums differs)."""
+    """q, k, v and gate, up of each block are joined (`Nf4Siblings`; o and down each alone), however
+    the model was quantized; under the fast LoRA forward each group's base is one GEMM forward and
+    one backward over the layers' dequantized weights, with the loss and gradients of the layers
+    apart (float32: only the order of the sums differs)."""
     from ligertune.models import quantize
     from ligertune.models.lora import SHARED_INPUTS, patch_lora
 
@@ -258,6 +258,9 @@ def test_nf4_siblings_multiply_as_one_gemm_with_the_values_of_each(source, tmp_p
         for block in blocks:
             layers = tuple(getattr(block, name).base_layer for name in names)
             assert all(layer.siblings.layers == layers for layer in layers)
+    alone = [m.base_layer for name, m in model.named_modules() if name.endswith(("o_proj", "down_proj"))]
+    assert len(alone) == 2 * TINY["num_hidden_layers"]
+    assert all(layer.siblings.layers == (layer,) for layer in alone)
     apart = without_siblings(model)
     copied = copy.deepcopy(model)  # a copy's siblings are its own layers
     own = {id(m) for m in copied.modules()}
@@ -270,9 +273,9 @@ def test_nf4_siblings_multiply_as_one_gemm_with_the_values_of_each(source, tmp_p
     loss, grads = loss_and_grads(model)
     joined_calls, calls[:] = len(calls), []
     loss0, grads0 = loss_and_grads(apart)
-    # 2 groups a block, forward and backward, but for the first block's q, k and v, whose input
-    # (the frozen embeddings, normed) needs no gradient
-    assert (joined_calls, len(calls)) == (4 * TINY["num_hidden_layers"] - 1, 0)
+    # 4 a block (q, k, v; o; gate, up; down), forward and backward, but for the first block's q, k
+    # and v, whose input (the frozen embeddings, normed) needs no gradient
+    assert (joined_calls, len(calls)) == (8 * TINY["num_hidden_layers"] - 1, 0)
     assert relative_error(loss, loss0) < 1e-6
     assert grads.keys() == grads0.keys()
     for name in grads:

@@ -146,26 +146,33 @@ class _InputCast:
 _cast_input = _InputCast()
 
 
+def _float8_product(x: torch.Tensor, layer: Float8FrozenLinear | Float8Siblings) -> torch.Tensor:
+    """x W^T for a 2-D x over the layer's float8 weight: x cast with a scale per token."""
+    q, scale = _cast_input(x)
+    return _scaled_matmul(q, layer.weight.t(), scale[:, None], layer.weight_scale[None, :], x.dtype)
+
+
+def _float8_input_grad(dy: torch.Tensor, layer: Float8FrozenLinear | Float8Siblings, dtype: torch.dtype) -> torch.Tensor:
+    """dy W in `dtype`: W's channel scales folded into dy before its cast."""
+    q, scale = quantize_rows(dy, layer.weight_scale)
+    # the second operand of a float8 GEMM is read column-major: W's transpose, laid out row-major
+    return _scaled_matmul(q, transpose_float8(layer.weight).t(), scale[:, None], layer.unit_scale[None, :], dtype)
+
+
 class _FrozenFloat8Matmul(torch.autograd.Function):
     """y = x W^T over a float8 weight (`Float8FrozenLinear`); the gradient of x only."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, layer: Float8FrozenLinear) -> torch.Tensor:
-        q, scale = _cast_input(x)
         # Nothing of x is kept. The weight and its scales are the layer's own buffers, read from it
         # in the backward: through save_for_backward the memory planner's count of what a layer
         # saves (`training.memory.SavedBytes`) would take them for activations.
         ctx.layer, ctx.out_dtype = layer, x.dtype
-        return _scaled_matmul(q, layer.weight.t(), scale[:, None], layer.weight_scale[None, :], x.dtype)
+        return _float8_product(x, layer)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        layer = ctx.layer
-        q, scale = quantize_rows(dy, layer.weight_scale)
-        # the second operand of a float8 GEMM is read column-major: W's transpose, laid out row-major
-        dx = _scaled_matmul(q, transpose_float8(layer.weight).t(), scale[:, None], layer.unit_scale[None, :],
-                            ctx.out_dtype)
-        return dx, None
+        return _float8_input_grad(dy, ctx.layer, ctx.out_dtype), None
 
 
 COPIED = ("v_proj",)
@@ -174,19 +181,22 @@ backward, and a column slice would keep q's and k's columns alive with it."""
 
 
 class Float8Siblings:
-    """Float8 frozen layers that read one input (q, k, v; gate, up): their weights and
-    scales concatenated into one buffer, each layer's `weight` and `weight_scale` a view of its rows
-    (contiguous, so each layer still runs alone as before, at no extra memory). Called on a 2-D
-    input, the product with every layer's weight at once: one float8 GEMM, with the layers' outputs
-    side by side in the order of `layers`. `copied`: for each layer, whether the fast LoRA forward
-    copies its part out of the joined output (`COPIED`)."""
+    """Float8 frozen layers that read one input (q, k, v; gate, up), or one such layer alone: their
+    weights and scales concatenated into one buffer, each layer's `weight` and `weight_scale` a view
+    of its rows (contiguous, so each layer still runs alone as before, at no extra memory).
+    `product(x)` of a 2-D input is the product with every layer's weight at once: one float8 GEMM,
+    with the layers' outputs side by side in the order of `layers`; `input_grad(dy)` the gradient of
+    x for the gradient of that output, one float8 GEMM. Plain functions, without autograd: the fast
+    LoRA forward's `_JoinedProducts` calls them. `copied`: for each layer, whether the fast LoRA
+    forward copies its part out of the joined output (`COPIED`)."""
 
     def __init__(self, layers: list[Float8FrozenLinear], copied: tuple[bool, ...] | None = None):
         self.layers = tuple(layers)
         self.copied = copied or (False,) * len(layers)
         self.sizes = [layer.out_features for layer in layers]
-        self.weight = torch.cat([layer.weight for layer in layers])
-        self.weight_scale = torch.cat([layer.weight_scale for layer in layers])
+        self.weight = torch.cat([layer.weight for layer in layers]) if len(layers) > 1 else layers[0].weight
+        self.weight_scale = (torch.cat([layer.weight_scale for layer in layers]) if len(layers) > 1
+                             else layers[0].weight_scale)
         self.unit_scale = layers[0].unit_scale
         for layer, weight, scale in zip(layers, self.weight.split(self.sizes), self.weight_scale.split(self.sizes)):
             layer.weight, layer.weight_scale, layer.siblings = weight, scale, self
@@ -195,8 +205,11 @@ class Float8Siblings:
         """Any input: it is cast to float8 at each call."""
         return True
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return _FrozenFloat8Matmul.apply(x, self)
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return _float8_product(x, self)
+
+    def input_grad(self, dy: torch.Tensor) -> torch.Tensor:
+        return _float8_input_grad(dy, self, dy.dtype)
 
 
 class Float8FrozenLinear(nn.Module):
@@ -251,17 +264,24 @@ def join_siblings(model: nn.Module) -> int:
     """Join the float8 weights of each block's q, k and v, and of its gate and up (the layers that
     read one input, `ligertune.models.lora.SHARED_INPUTS`: each a `Float8FrozenLinear`, or peft's
     LoRA layer over one), into one `Float8Siblings` where all are float8, bias-free and read one
-    width; return how many groups were joined."""
+    width, and make every other bias-free float8 layer one alone; return how many groups of several
+    were joined."""
     joined = 0
     for block in model.modules():
         for names in SHARED_INPUTS:
             layers = [getattr(child, "base_layer", child) for child in (getattr(block, n, None) for n in names)]
-            if (all(isinstance(layer, Float8FrozenLinear) and layer.bias is None and layer.siblings is None
-                    for layer in layers)
-                    and len({(layer.in_features, layer.weight.device) for layer in layers}) == 1):
+            if all(_joinable(layer) for layer in layers) and len({(layer.in_features, layer.weight.device)
+                                                                  for layer in layers}) == 1:
                 Float8Siblings(layers, tuple(name in COPIED for name in names))
                 joined += 1
+    for layer in model.modules():
+        if _joinable(layer):
+            Float8Siblings([layer])
     return joined
+
+
+def _joinable(layer: nn.Module | None) -> bool:
+    return isinstance(layer, Float8FrozenLinear) and layer.bias is None and layer.siblings is None
 
 
 def float8_layers(model: nn.Module) -> int:

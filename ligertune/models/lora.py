@@ -47,10 +47,12 @@ Over a quantized base (QLoRA) base(x) is the bitsandbytes layer's own product an
 above; where peft's rounding is kept (float32 adapters), it is that of peft's bitsandbytes layers,
 which cast the adapter product to the output's dtype before the sum.
 
-Where a group's base layers are joined (float8 layers: `Float8Siblings`; 4-bit ones: `Nf4Siblings`)
-and its adapters sum in place, the whole group is one base GEMM over the joined weight and one
-adapter GEMM over the block-diagonal B (`_joined_outputs`), its output split by columns; backward
-then takes the group's gradients as one, and the base's gradient of x is one GEMM for the group.
+Where a group's base layers are joined (float8 layers: `Float8Siblings`; 4-bit ones: `Nf4Siblings`;
+a layer alone is a group of one) and its adapters sum in place, the whole group is one base GEMM
+over the joined weight and one adapter GEMM over the block-diagonal B (`_joined_outputs`), its
+output split by columns; backward takes the group's gradients as one, and the gradient of x, the
+base's and the adapters', is one GEMM for the group with the adapters' added in the epilogue of a
+second (`_JoinedProducts`), where apart autograd writes each layer's and adds them.
 
 With dropout 0 peft's `Identity` is not called. What is left to autograd: per layer, the columns of
 U (tokens x r, for grad B) and the adapter weights; per group, x. The parameters and modules are
@@ -213,8 +215,8 @@ def _joined_outputs(members: list[tuple[nn.Module, str]], siblings, x: torch.Ten
     """Every member's y_i = base_i(x) + s U_i B_i^T over joined base layers (`Float8Siblings`,
     `Nf4Siblings`):
 
-        Y = base(x)                                 one GEMM over the joined weight
-        Y += s U cat_diag(B_i)^T                    U = x_a cat(A_i)^T; in place, one GEMM
+        Y, U = base(x), x cat(A_i)^T                one GEMM each (`_JoinedProducts`)
+        Y += s U cat_diag(B_i)^T                    in place, one GEMM
 
     then Y split by columns (`_SplitColumns`). B's block-diagonal matrix multiplies zeros outside
     each layer's block: r_total instead of r_i products a column, a few microseconds on GEMMs this
@@ -222,13 +224,40 @@ def _joined_outputs(members: list[tuple[nn.Module, str]], siblings, x: torch.Ten
     `siblings.copied` names (v, which attention keeps for its backward) are copied out, so as not to
     keep the others' columns alive with them; q and k are read once, by RoPE, into new tensors, and
     gate and up are kept by SwiGLU, which writes their gradients over them."""
-    u = _SharedLoraA.apply(x, *(m.lora_A[a].weight for m, a in members))
-    y = siblings(x.reshape(-1, x.shape[-1]))
+    y, u = _JoinedProducts.apply(x.reshape(-1, x.shape[-1]), siblings, *(m.lora_A[a].weight for m, a in members))
     blocks = torch.block_diag(*(m.lora_B[a].weight for m, a in members))
     first, adapter = members[0]
-    y.addmm_(u.reshape(-1, u.shape[-1]), blocks.t(), alpha=first.scaling[adapter])
+    y.addmm_(u, blocks.t(), alpha=first.scaling[adapter])
     parts = _SplitColumns.apply(y, siblings.sizes)
     return [part.contiguous() if copied else part for part, copied in zip(parts, siblings.copied)]
+
+
+class _JoinedProducts(torch.autograd.Function):
+    """(Y, U) = (base(x), x cat(A)^T) for a 2-D x over joined base layers, and in backward the two
+    gradients of x as one: the base's (`siblings.input_grad`), then dU cat(A) added in that GEMM's
+    epilogue (`addmm_`), where two autograd nodes would each write one and a third pass add them.
+    Keeps x (as `shared_lora_a` does) and A; the base keeps nothing. The adapters have x's dtype
+    (`_SharedInput._joins`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, siblings, *weights: torch.Tensor):
+        a = _cat(weights)
+        ctx.siblings = siblings
+        ctx.save_for_backward(x, *weights)
+        return siblings.product(x), F.linear(x, a)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor, du: torch.Tensor):
+        x, *weights = ctx.saved_tensors
+        a = _cat(weights)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = ctx.siblings.input_grad(dy).addmm_(du, a)
+        grads: list[torch.Tensor | None] = [None] * len(weights)
+        if any(ctx.needs_input_grad[2:]):
+            parts = (du.t() @ x).split([w.shape[0] for w in weights])
+            grads = [g if need else None for g, need in zip(parts, ctx.needs_input_grad[2:])]
+        return dx, None, *grads
 
 
 class _SplitColumns(torch.autograd.Function):

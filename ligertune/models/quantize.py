@@ -122,15 +122,16 @@ class Nf4Siblings:
     """bitsandbytes NF4 layers that read one input (q, k, v; gate, up), or one such layer alone,
     multiplied as one.
 
-    Called on a 2-D input x: the layers' weights dequantized side by side into one buffer of x's
-    dtype (`ligertune.kernels.dequantize_4bit`: one pass, each layer into its own rows) and one
-    GEMM, the layers' outputs side by side in the order of `layers`; backward dequantizes them
-    again and multiplies the joined gradient in one GEMM, the input's gradient summed over the
-    layers in the GEMM's float32 accumulator. Each layer alone through bitsandbytes (`MatMul4Bit`,
-    at training sizes) does the same per layer: dequantize (two kernels), multiply, and in backward
-    one product a layer, which autograd then adds up in x's dtype. Nothing is kept for backward;
-    the stored weights are untouched. `copied`: for each layer, whether the fast LoRA forward
-    copies its part out (`COPIED`)."""
+    `product(x)` of a 2-D input x: the layers' weights dequantized side by side into one buffer of
+    x's dtype (`ligertune.kernels.dequantize_4bit`: one pass, each layer into its own rows) and one
+    GEMM, the layers' outputs side by side in the order of `layers`; `input_grad(dy)`: the weights
+    dequantized again and the joined gradient multiplied in one GEMM, the input's gradient summed
+    over the layers in the GEMM's float32 accumulator. Plain functions, without autograd: the fast
+    LoRA forward's `_JoinedProducts` calls them, keeping nothing for the base. Each layer alone
+    through bitsandbytes (`MatMul4Bit`, at training sizes) does the same per layer: dequantize (two
+    kernels), multiply, and in backward one product a layer, which autograd then adds up in x's
+    dtype. The stored weights are untouched. `copied`: for each layer, whether the fast LoRA
+    forward copies its part out (`COPIED`)."""
 
     def __init__(self, layers: list[nn.Module], copied: tuple[bool, ...] | None = None):
         self.layers = tuple(layers)
@@ -159,8 +160,11 @@ class Nf4Siblings:
             dequantize_4bit(layer.weight.data, state.code, block_scales(state), rows)
         return weight
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return _JoinedNf4Matmul.apply(x, self)
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.dequantized(x.dtype))
+
+    def input_grad(self, dy: torch.Tensor) -> torch.Tensor:
+        return dy @ self.dequantized(dy.dtype)
 
 
 def block_scales(state) -> BlockScales:
@@ -169,21 +173,6 @@ def block_scales(state) -> BlockScales:
         return BlockScales(state.absmax, state.blocksize)
     return BlockScales(state.absmax, state.blocksize, state.state2.code, state.state2.absmax, state.offset,
                        state.state2.blocksize)
-
-
-class _JoinedNf4Matmul(torch.autograd.Function):
-    """y = x W^T over `Nf4Siblings`' dequantized weights; dx = dy W, W dequantized again."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, siblings: Nf4Siblings) -> torch.Tensor:
-        ctx.siblings = siblings
-        return torch.nn.functional.linear(x, siblings.dequantized(x.dtype))
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        if not ctx.needs_input_grad[0]:
-            return None, None
-        return dy @ ctx.siblings.dequantized(dy.dtype), None
 
 
 def join_nf4_siblings(model: nn.Module) -> int:

@@ -47,12 +47,14 @@ Over a quantized base (QLoRA) base(x) is the bitsandbytes layer's own product an
 above; where peft's rounding is kept (float32 adapters), it is that of peft's bitsandbytes layers,
 which cast the adapter product to the output's dtype before the sum.
 
-Where a group's base layers are joined (float8 layers: `Float8Siblings`; 4-bit ones: `Nf4Siblings`;
-a layer alone is a group of one) and its adapters sum in place, the whole group is one base GEMM
-over the joined weight and one adapter GEMM over the block-diagonal B (`_joined_outputs`), its
-output split by columns; backward takes the group's gradients as one, and the gradient of x, the
-base's and the adapters', is one GEMM for the group with the adapters' added in the epilogue of a
-second (`_JoinedProducts`), where apart autograd writes each layer's and adds them.
+Where the adapters sum in place, a group's outputs are computed at once, at its first member's
+call, and its gradient of x, the base layers' and the adapters', is summed in GEMMs' epilogues
+where autograd would write each layer's and add them (7 additions of the input's size a decoder
+layer; a layer alone is a group of one). Over plain frozen `nn.Linear` bases: each base product as
+before, U, and the sums in place, from one autograd node (`_plain_outputs`, `_PlainProducts`). Over
+joined base layers (float8 layers: `Float8Siblings`; 4-bit ones: `Nf4Siblings`): one base GEMM over
+the joined weight and one adapter GEMM over the block-diagonal B (`_joined_outputs`,
+`_JoinedProducts`), the output split by columns, its gradients taken back as one.
 
 With dropout 0 peft's `Identity` is not called. What is left to autograd: per layer, the columns of
 U (tokens x r, for grad B) and the adapter weights; per group, x. The parameters and modules are
@@ -170,25 +172,30 @@ class _SharedInput:
                           lambda: shared_lora_a(x, [m.lora_A[a].weight for m, a in self.members]))
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
-        siblings = vars(self.members[0][0].base_layer).get("siblings")  # no exception for a plain base
-        if siblings is None:
-            return None
         if self._waiting_for("output", index, x):
             return self._take("output", index, x, None)
-        if not self._joins(siblings, x):
-            return None
-        return self._take("output", index, x, lambda: _joined_outputs(self.members, siblings, x))
+        compute = self._outputs(x)
+        return None if compute is None else self._take("output", index, x, compute)
 
-    def _joins(self, siblings, x: torch.Tensor) -> bool:
-        """Whether the group's base layers are `siblings`, exactly these in this order, that take x
-        as it is, and the whole group sums in place in x's dtype with one scaling."""
-        if len(siblings.layers) != len(self.members) or not siblings.accepts(x):
-            return False
-        if any(layer is not m.base_layer for layer, (m, _) in zip(siblings.layers, self.members)):
-            return False
+    def _outputs(self, x: torch.Tensor):
+        """What computes every member's whole output from x at once, or None where the group does not
+        sum in place in x's dtype with one scaling (`product` then serves the layers one by one):
+        over joined base layers (`Float8Siblings`, `Nf4Siblings`) exactly these, in this order, that
+        take x as it is, `_joined_outputs`; over plain frozen `nn.Linear` layers of x's dtype,
+        `_plain_outputs`."""
         lora = [(m.lora_A[a].weight, m.lora_B[a], m.scaling[a]) for m, a in self.members]
-        return all(a.dtype == x.dtype and b.weight.dtype == x.dtype and b.bias is None and s == lora[0][2]
-                   for a, b, s in lora)
+        if not all(a.dtype == x.dtype and b.weight.dtype == x.dtype and b.bias is None and s == lora[0][2]
+                   for a, b, s in lora):
+            return None
+        bases = [m.base_layer for m, _ in self.members]
+        siblings = vars(bases[0]).get("siblings")  # no exception for a plain base
+        if siblings is not None:
+            if siblings.layers == tuple(bases) and siblings.accepts(x):
+                return lambda: _joined_outputs(self.members, siblings, x)
+            return None
+        if all(type(b) is nn.Linear and b.weight.dtype == x.dtype and not b.weight.requires_grad for b in bases):
+            return lambda: _plain_outputs(self.members, x)
+        return None
 
     def _waiting_for(self, kind: str, index: int, x: torch.Tensor) -> bool:
         return (self._x is x and x._version == self._version and self._kind == kind
@@ -237,7 +244,7 @@ class _JoinedProducts(torch.autograd.Function):
     gradients of x as one: the base's (`siblings.input_grad`), then dU cat(A) added in that GEMM's
     epilogue (`addmm_`), where two autograd nodes would each write one and a third pass add them.
     Keeps x (as `shared_lora_a` does) and A; the base keeps nothing. The adapters have x's dtype
-    (`_SharedInput._joins`)."""
+    (`_SharedInput._outputs`)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, siblings, *weights: torch.Tensor):
@@ -258,6 +265,62 @@ class _JoinedProducts(torch.autograd.Function):
             parts = (du.t() @ x).split([w.shape[0] for w in weights])
             grads = [g if need else None for g, need in zip(parts, ctx.needs_input_grad[2:])]
         return dx, None, *grads
+
+
+def _plain_outputs(members: list[tuple[nn.Module, str]], x: torch.Tensor) -> list[torch.Tensor]:
+    """Every member's y_i = base_i(x) + s U_i B_i^T over plain frozen `nn.Linear` base layers:
+
+        y_i, U = x W_i^T + b_i, x cat(A_i)^T        one GEMM each (`_PlainProducts`)
+        y_i += s U_i B_i^T                          in place, one GEMM each
+
+    the base products and U from one autograd node, whose backward sums the gradient of x over
+    them in GEMMs."""
+    bases = [m.base_layer for m, _ in members]
+    x2d = x.reshape(-1, x.shape[-1])
+    *outputs, u = _PlainProducts.apply(x2d, [b.bias is not None for b in bases], *(b.weight for b in bases),
+                                       *(b.bias for b in bases if b.bias is not None),
+                                       *(m.lora_A[a].weight for m, a in members))
+    first, adapter = members[0]
+    scale = first.scaling[adapter]
+    parts = u.split([m.lora_A[a].weight.shape[0] for m, a in members], dim=-1)
+    return [y.addmm_(part, m.lora_B[a].weight.t(), alpha=scale) for y, part, (m, a) in zip(outputs, parts, members)]
+
+
+class _PlainProducts(torch.autograd.Function):
+    """(y_1, ..., y_k, U) = (x W_1^T + b_1, ..., x cat(A)^T) for a 2-D x and frozen weights W_i, and
+    in backward the gradient of x over all of them as one: dy_1 W_1, then each other dy_i W_i and dU
+    cat(A) added in a GEMM's epilogue (`addmm_`), where autograd would write each and add them.
+    Keeps x, the weights (as `F.linear` does) and A. The adapters have x's dtype."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, has_bias: list[bool], *tensors: torch.Tensor):
+        k = len(has_bias)
+        weights, rest = tensors[:k], tensors[k:]
+        biases = iter(rest[: sum(has_bias)])
+        adapters = rest[sum(has_bias):]
+        ctx.k = k
+        ctx.save_for_backward(x, *weights, *adapters)
+        outputs = [F.linear(x, w, next(biases) if bias else None) for w, bias in zip(weights, has_bias)]
+        return (*outputs, F.linear(x, _cat(adapters)))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        x, *saved = ctx.saved_tensors
+        weights, adapters = saved[: ctx.k], saved[ctx.k:]
+        dys, du = grads[: ctx.k], grads[ctx.k]
+        a = _cat(adapters)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = dys[0] @ weights[0]
+            for dy, w in zip(dys[1:], weights[1:]):
+                dx.addmm_(dy, w)
+            dx.addmm_(du, a)
+        n_frozen = len(ctx.needs_input_grad) - 2 - len(adapters)
+        grads_a: list[torch.Tensor | None] = [None] * len(adapters)
+        if any(ctx.needs_input_grad[2 + n_frozen:]):
+            parts = (du.t() @ x).split([w.shape[0] for w in adapters])
+            grads_a = [g if need else None for g, need in zip(parts, ctx.needs_input_grad[2 + n_frozen:])]
+        return dx, None, *([None] * n_frozen), *grads_a
 
 
 class _SplitColumns(torch.autograd.Function):
@@ -306,7 +369,7 @@ def _fast_lora_forward(
     if args or kwargs or not _fast_now(module, x, adapter):
         return type(module).forward(module, x, *args, **kwargs)
     joined = group.output(index, x)
-    if joined is not None:  # joined siblings: the whole group's outputs from one GEMM
+    if joined is not None:  # the whole group's outputs at once (`_SharedInput._outputs`)
         return joined.view(*x.shape[:-1], joined.shape[-1])
     # 2-D from the start, so that the in-place sum below acts on the base output itself, not on a
     # view of it (autograd would then copy the whole gradient through CopySlices); a view for the

@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ligertune.models.lora import (
+    _SharedInput,
     cast_adapters,
     is_lora_patched,
     patch_lora,
@@ -416,6 +417,45 @@ def test_one_gemm_for_the_a_projections_of_a_shared_input():
     (peft_fwd, peft_bwd), (fast_fwd, fast_bwd) = gemm_counts(model, ids), gemm_counts(fast, ids)
     assert peft_fwd - fast_fwd == 3 * LAYERS
     assert peft_bwd - fast_bwd == 6 * LAYERS
+
+
+class _Additions(TorchDispatchMode):
+    """How many additions write a tensor whose last dimension is one of `widths`."""
+
+    def __init__(self, widths: set[int]):
+        super().__init__()
+        self.widths, self.count = widths, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor) and out.shape[-1] in self.widths:
+            self.count += 1
+        return out
+
+
+def test_the_gradient_of_a_shared_input_is_summed_in_gemms(monkeypatch):
+    """The fast path sums each group's gradient of its input, its base layers' and its A product's, in
+    GEMMs (`_PlainProducts`: each added in the epilogue of the next); with the group's layers run
+    one by one, autograd adds one tensor of the input's size a layer more (q, k, v and A: 3; o: 1;
+    gate, up and A: 2; down: 1), but in the first block, whose input needs no gradient, for q, k, v."""
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    model, grouped, _ = wrapped_pair("llama", "fp32", lora)
+    one_by_one = copy.deepcopy(model)
+    patch_lora(one_by_one)
+    ids, targets = token_batch()
+    widths = {grouped.config.hidden_size, grouped.config.intermediate_size}
+
+    def additions_and_values(each):
+        loss = each(ids).logits.logsumexp(-1).mean()
+        with _Additions(widths) as additions:
+            loss.backward()
+        return additions.count, logits_loss_grads(each, ids, targets)
+
+    grouped_count, grouped_values = additions_and_values(grouped)
+    monkeypatch.setattr(_SharedInput, "_outputs", lambda self, x: None)  # each base, then its adapters
+    alone_count, alone_values = additions_and_values(one_by_one)
+    assert alone_count - grouped_count == 7 * LAYERS - 3
+    assert_same(grouped_values, alone_values, "fp32")
 
 
 class _OpsOnSize(TorchDispatchMode):

@@ -43,7 +43,7 @@ from torch import nn
 
 from ligertune.errors import UserError
 from ligertune.kernels import quantize_rows, transpose_float8
-from ligertune.models.lora import SHARED_INPUTS
+from ligertune.models.lora import join_base_layers
 from ligertune.quiet import quiet_optional_libraries
 
 EXTRA = "fp8"
@@ -175,11 +175,6 @@ class _FrozenFloat8Matmul(torch.autograd.Function):
         return _float8_input_grad(dy, ctx.layer, ctx.out_dtype), None
 
 
-COPIED = ("v_proj",)
-"""Layers whose part of a joined output the fast LoRA forward copies out: attention keeps v for its
-backward, and a column slice would keep q's and k's columns alive with it."""
-
-
 class Float8Siblings:
     """Float8 frozen layers that read one input (q, k, v; gate, up), or one such layer alone: their
     weights and scales concatenated into one buffer, each layer's `weight` and `weight_scale` a view
@@ -188,7 +183,7 @@ class Float8Siblings:
     with the layers' outputs side by side in the order of `layers`; `input_grad(dy)` the gradient of
     x for the gradient of that output, one float8 GEMM. Plain functions, without autograd: the fast
     LoRA forward's `_JoinedProducts` calls them. `copied`: for each layer, whether the fast LoRA
-    forward copies its part out of the joined output (`COPIED`)."""
+    forward copies its part out of the joined output (`lora.COPIED`)."""
 
     def __init__(self, layers: list[Float8FrozenLinear], copied: tuple[bool, ...] | None = None):
         self.layers = tuple(layers)
@@ -262,26 +257,13 @@ def freeze_to_float8(model: nn.Module) -> int:
 
 def join_siblings(model: nn.Module) -> int:
     """Join the float8 weights of each block's q, k and v, and of its gate and up (the layers that
-    read one input, `ligertune.models.lora.SHARED_INPUTS`: each a `Float8FrozenLinear`, or peft's
-    LoRA layer over one), into one `Float8Siblings` where all are float8, bias-free and read one
-    width, and make every other bias-free float8 layer one alone; return how many groups of several
-    were joined."""
-    joined = 0
-    for block in model.modules():
-        for names in SHARED_INPUTS:
-            layers = [getattr(child, "base_layer", child) for child in (getattr(block, n, None) for n in names)]
-            if all(_joinable(layer) for layer in layers) and len({(layer.in_features, layer.weight.device)
-                                                                  for layer in layers}) == 1:
-                Float8Siblings(layers, tuple(name in COPIED for name in names))
-                joined += 1
-    for layer in model.modules():
-        if _joinable(layer):
-            Float8Siblings([layer])
-    return joined
-
-
-def _joinable(layer: nn.Module | None) -> bool:
-    return isinstance(layer, Float8FrozenLinear) and layer.bias is None and layer.siblings is None
+    read one input: each a `Float8FrozenLinear`, or peft's LoRA layer over one), into one
+    `Float8Siblings` where all are bias-free and read one width, and make every other bias-free
+    float8 layer one alone (`lora.join_base_layers`); return how many groups of several were
+    joined."""
+    return join_base_layers(
+        model, lambda layer: isinstance(layer, Float8FrozenLinear) and layer.bias is None and layer.siblings is None,
+        Float8Siblings)
 
 
 def float8_layers(model: nn.Module) -> int:

@@ -85,6 +85,29 @@ from ligertune.models.unwrap import unwrap_model
 
 SHARED_INPUTS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Names of sibling layers that every family of `PATCH_TABLE` calls on one and the same tensor."""
+COPIED = ("v_proj",)
+"""Layers whose part of a joined output the fast LoRA forward copies out: attention keeps v for its
+backward, and a column slice would keep q's and k's columns alive with it."""
+
+
+def join_base_layers(model: nn.Module, joinable, join) -> int:
+    """Make the base layers of each block's `SHARED_INPUTS` groups (plain, or under peft's LoRA
+    layers) one by `join(layers, copied)` where all are `joinable` and read one width on one device,
+    `copied` telling for each whether `COPIED` names it; then every other joinable layer one alone,
+    `join([layer])`. The fast LoRA forward runs each such group as one (`_joined_outputs`). Returns
+    how many groups of several were joined."""
+    joined = 0
+    for block in model.modules():
+        for names in SHARED_INPUTS:
+            layers = [getattr(child, "base_layer", child) for child in (getattr(block, n, None) for n in names)]
+            if all(joinable(layer) for layer in layers) and len({(layer.in_features, layer.weight.device)
+                                                                 for layer in layers}) == 1:
+                join(layers, tuple(name in COPIED for name in names))
+                joined += 1
+    for layer in model.modules():
+        if joinable(layer):
+            join([layer])
+    return joined
 
 
 @dataclass

@@ -38,8 +38,8 @@ from torch import nn
 
 from ligertune.errors import UserError
 from ligertune.kernels import BlockScales, dequantize_4bit
-from ligertune.models.float8 import COPIED, Float8FrozenLinear
-from ligertune.models.lora import SHARED_INPUTS
+from ligertune.models.float8 import Float8FrozenLinear
+from ligertune.models.lora import join_base_layers
 from ligertune.quiet import quiet_optional_libraries
 
 QUANTIZATIONS = ("nf4", "int8")
@@ -131,7 +131,7 @@ class Nf4Siblings:
     through bitsandbytes (`MatMul4Bit`, at training sizes) does the same per layer: dequantize (two
     kernels), multiply, and in backward one product a layer, which autograd then adds up in x's
     dtype. The stored weights are untouched. `copied`: for each layer, whether the fast LoRA
-    forward copies its part out (`COPIED`)."""
+    forward copies its part out (`lora.COPIED`)."""
 
     def __init__(self, layers: list[nn.Module], copied: tuple[bool, ...] | None = None):
         self.layers = tuple(layers)
@@ -176,26 +176,14 @@ def block_scales(state) -> BlockScales:
 
 
 def join_nf4_siblings(model: nn.Module) -> int:
-    """Make each block's 4-bit q, k and v, and its 4-bit gate and up (`SHARED_INPUTS`: bitsandbytes
-    NF4 layers, or peft's LoRA layers over them) one `Nf4Siblings` where all are bias-free and read
-    one width on one device, and every other bias-free NF4 layer one alone; return how many groups
-    of several were joined."""
-    joined = 0
-    for block in model.modules():
-        for names in SHARED_INPUTS:
-            layers = [getattr(child, "base_layer", child) for child in (getattr(block, n, None) for n in names)]
-            if all(_joinable(layer) for layer in layers) and len({(layer.in_features, layer.weight.device)
-                                                                  for layer in layers}) == 1:
-                Nf4Siblings(layers, tuple(name in COPIED for name in names))
-                joined += 1
-    for layer in model.modules():
-        if _joinable(layer):
-            Nf4Siblings([layer])
-    return joined
-
-
-def _joinable(layer: nn.Module | None) -> bool:
-    return layer_quantization(layer) == "nf4" and layer.bias is None and vars(layer).get("siblings") is None
+    """Make each block's 4-bit q, k and v, and its 4-bit gate and up (bitsandbytes NF4 layers, or
+    peft's LoRA layers over them) one `Nf4Siblings` where all are bias-free and read one width on one
+    device, and every other bias-free NF4 layer one alone (`lora.join_base_layers`); return how many
+    groups of several were joined."""
+    return join_base_layers(
+        model, lambda layer: (layer_quantization(layer) == "nf4" and layer.bias is None
+                              and vars(layer).get("siblings") is None),
+        Nf4Siblings)
 
 
 def _quantized(bnb: Any, linear: nn.Linear, kind: str, dtype: torch.dtype) -> nn.Module:

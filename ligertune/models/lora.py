@@ -178,9 +178,9 @@ class _SharedInput:
     """LoRA layers of one block that read the same input, in the order of `SHARED_INPUTS`.
 
     `product(i, x)` returns layer i's x_a A_i^T; `output(i, x)` layer i's whole output, where the
-    group's base layers are joined (`Float8Siblings`, `Nf4Siblings`; else None). The first call for
-    a tensor x computes the parts of every layer of the group and keeps the others' until they are
-    asked for with that same x; the last one taken releases x.
+    group's adapters sum in place over base layers it can run as one (`_outputs`; else None). The
+    first call for a tensor x computes the parts of every layer of the group and keeps the others'
+    until they are asked for with that same x; the last one taken releases x.
     """
 
     def __init__(self, members: list[tuple[nn.Module, str]]):

@@ -150,7 +150,8 @@ def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tup
     return _impl("quantize_rows", x.device)(x, col_scale)
 
 
-def dequantize_4bit(packed: torch.Tensor, table: torch.Tensor, scales: BlockScales, out: torch.Tensor) -> torch.Tensor:
+def dequantize_4bit(packed: torch.Tensor, table: torch.Tensor, scales: BlockScales,
+                    out: torch.Tensor) -> torch.Tensor:
     """`out` filled with the weights of 4-bit codes in bitsandbytes' layout (two a byte of `packed`,
     the high half first): table[code_i] times the scale of i's block (`scales`); see `nf4`."""
     return _impl("dequantize_4bit", packed.device)(packed, table, scales, out)

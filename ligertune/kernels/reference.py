@@ -477,7 +477,8 @@ def transpose_float8(x: torch.Tensor) -> torch.Tensor:
     return x.t().contiguous()
 
 
-def dequantize_4bit(packed: torch.Tensor, table: torch.Tensor, scales: BlockScales, out: torch.Tensor) -> torch.Tensor:
+def dequantize_4bit(packed: torch.Tensor, table: torch.Tensor, scales: BlockScales,
+                    out: torch.Tensor) -> torch.Tensor:
     """`out` filled with table[code_i] * scale_{i // blocksize}, the codes two a byte of `packed`, the
     high half first (`nf4.dequantize_4bit`'s formula), in float32 and rounded once to out's dtype."""
     if not out.is_contiguous() or out.numel() != 2 * packed.numel():

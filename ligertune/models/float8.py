@@ -152,7 +152,8 @@ def _float8_product(x: torch.Tensor, layer: Float8FrozenLinear | Float8Siblings)
     return _scaled_matmul(q, layer.weight.t(), scale[:, None], layer.weight_scale[None, :], x.dtype)
 
 
-def _float8_input_grad(dy: torch.Tensor, layer: Float8FrozenLinear | Float8Siblings, dtype: torch.dtype) -> torch.Tensor:
+def _float8_input_grad(dy: torch.Tensor, layer: Float8FrozenLinear | Float8Siblings,
+                       dtype: torch.dtype) -> torch.Tensor:
     """dy W in `dtype`: W's channel scales folded into dy before its cast."""
     q, scale = quantize_rows(dy, layer.weight_scale)
     # the second operand of a float8 GEMM is read column-major: W's transpose, laid out row-major
@@ -262,7 +263,8 @@ def join_siblings(model: nn.Module) -> int:
     float8 layer one alone (`lora.join_base_layers`); return how many groups of several were
     joined."""
     return join_base_layers(
-        model, lambda layer: isinstance(layer, Float8FrozenLinear) and layer.bias is None and layer.siblings is None,
+        model, lambda layer: (isinstance(layer, Float8FrozenLinear) and layer.bias is None
+                              and layer.siblings is None),
         Float8Siblings)
 
 

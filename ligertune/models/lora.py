@@ -201,19 +201,19 @@ class _SharedInput:
         return None if compute is None else self._take("output", index, x, compute)
 
     def _outputs(self, x: torch.Tensor):
-        """What computes every member's whole output from x at once, or None where the group does not
-        sum in place in x's dtype with one scaling (`product` then serves the layers one by one):
-        over joined base layers (`Float8Siblings`, `Nf4Siblings`) exactly these, in this order, that
-        take x as it is, `_joined_outputs`; over plain frozen `nn.Linear` layers of x's dtype,
-        `_plain_outputs`."""
-        lora = [(m.lora_A[a].weight, m.lora_B[a], m.scaling[a]) for m, a in self.members]
-        if not all(a.dtype == x.dtype and b.weight.dtype == x.dtype and b.bias is None and s == lora[0][2]
-                   for a, b, s in lora):
+        """What computes every member's whole output from x at once, or None where the group's
+        adapters do not sum in place in x's dtype (`product` then serves the layers one by one): over
+        joined base layers (`Float8Siblings`, `Nf4Siblings`) exactly these, in this order, that take
+        x as it is, with one scaling, `_joined_outputs`; over plain frozen `nn.Linear` layers of x's
+        dtype, `_plain_outputs`."""
+        lora = [(m.lora_A[a].weight, m.lora_B[a]) for m, a in self.members]
+        if not all(a.dtype == x.dtype and b.weight.dtype == x.dtype and b.bias is None for a, b in lora):
             return None
         bases = [m.base_layer for m, _ in self.members]
         siblings = vars(bases[0]).get("siblings")  # no exception for a plain base
         if siblings is not None:
-            if siblings.layers == tuple(bases) and siblings.accepts(x):
+            one_scaling = len({m.scaling[a] for m, a in self.members}) == 1
+            if siblings.layers == tuple(bases) and siblings.accepts(x) and one_scaling:
                 return lambda: _joined_outputs(self.members, siblings, x)
             return None
         if all(type(b) is nn.Linear and b.weight.dtype == x.dtype and not b.weight.requires_grad for b in bases):
@@ -303,10 +303,9 @@ def _plain_outputs(members: list[tuple[nn.Module, str]], x: torch.Tensor) -> lis
     *outputs, u = _PlainProducts.apply(x2d, [b.bias is not None for b in bases], *(b.weight for b in bases),
                                        *(b.bias for b in bases if b.bias is not None),
                                        *(m.lora_A[a].weight for m, a in members))
-    first, adapter = members[0]
-    scale = first.scaling[adapter]
     parts = u.split([m.lora_A[a].weight.shape[0] for m, a in members], dim=-1)
-    return [y.addmm_(part, m.lora_B[a].weight.t(), alpha=scale) for y, part, (m, a) in zip(outputs, parts, members)]
+    return [y.addmm_(part, m.lora_B[a].weight.t(), alpha=m.scaling[a])
+            for y, part, (m, a) in zip(outputs, parts, members)]
 
 
 class _PlainProducts(torch.autograd.Function):

@@ -341,6 +341,26 @@ def test_every_option_at_once(case):
     assert_same(pooled(logits_loss_grads(fast, *batch) for batch in batches), reference, case, oracle=oracle)
 
 
+def test_ranks_and_alphas_per_layer_in_groups_run_as_one(monkeypatch):
+    """Ranks and alphas per layer (`rank_pattern`, `alpha_pattern`, rsLoRA) within groups whose
+    outputs come from one autograd node (`_plain_outputs`: each layer summed with its own scaling):
+    peft's values."""
+    from ligertune.models import lora as fast_lora
+
+    lora = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM", use_rslora=True,
+        rank_pattern={"k_proj": 2, "gate_proj": 8}, alpha_pattern={"v_proj": 3, "up_proj": 5},
+    )
+    model, fast, _ = wrapped_pair("llama", "fp32", lora)
+    calls = []
+    plain_outputs = fast_lora._plain_outputs
+    monkeypatch.setattr(fast_lora, "_plain_outputs", lambda *args: calls.append(1) or plain_outputs(*args))
+    ids, targets = token_batch()
+    values = logits_loss_grads(fast, ids, targets)
+    assert len(calls) == 4 * LAYERS  # q, k, v; o; gate, up; down
+    assert_same(values, logits_loss_grads(model, ids, targets), "fp32")
+
+
 def pooled(values) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """`logits_loss_grads` of several batches as one: each value of every batch, concatenated."""
     logits, losses, grads = zip(*values)

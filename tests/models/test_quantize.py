@@ -269,7 +269,8 @@ def test_nf4_siblings_multiply_as_one_gemm_with_the_values_of_each(source, tmp_p
         patch_lora(each)
     calls = []
     dequantized = quantize.Nf4Siblings.dequantized
-    monkeypatch.setattr(quantize.Nf4Siblings, "dequantized", lambda self, dtype: calls.append(1) or dequantized(self, dtype))
+    monkeypatch.setattr(quantize.Nf4Siblings, "dequantized",
+                        lambda self, dtype: calls.append(1) or dequantized(self, dtype))
     loss, grads = loss_and_grads(model)
     joined_calls, calls[:] = len(calls), []
     loss0, grads0 = loss_and_grads(apart)

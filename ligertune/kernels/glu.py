@@ -33,15 +33,30 @@ NUM_WARPS = 8
 
 
 @triton.jit
+def _swiglu_value(b_g, b_u, dtype: tl.constexpr):
+    """silu(g) * u in `dtype`, a and the product rounded to it as the eager ops round them."""
+    b_a = (b_g / (1.0 + tl.exp(-b_g))).to(dtype).to(tl.float32)
+    return (b_a * b_u).to(dtype)
+
+
+@triton.jit
+def _swiglu_grads(b_dy, b_g, b_u, dtype: tl.constexpr):
+    """(dgate, dup) in `dtype`, a and dy * u rounded to it as eager autograd rounds them."""
+    b_den = 1.0 + tl.exp(-b_g)
+    b_s = 1.0 / b_den
+    b_a = (b_g / b_den).to(dtype).to(tl.float32)
+    b_da = (b_dy * b_u).to(dtype).to(tl.float32)
+    return (b_da * b_s * (1.0 + b_g * (1.0 - b_s))).to(dtype), (b_dy * b_a).to(dtype)
+
+
+@triton.jit
 def _swiglu_fwd_kernel(gate_ptr, up_ptr, y_ptr, n_elements, BLOCK: tl.constexpr):
     # int64: an MLP activation of 64k tokens x 14336 channels already passes 2^31 elements.
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements
-    dtype = y_ptr.dtype.element_ty
     b_g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     b_u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    b_a = (b_g / (1.0 + tl.exp(-b_g))).to(dtype).to(tl.float32)
-    tl.store(y_ptr + offs, (b_a * b_u).to(dtype), mask=mask)
+    tl.store(y_ptr + offs, _swiglu_value(b_g, b_u, y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -49,16 +64,12 @@ def _swiglu_bwd_kernel(dy_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n_elements,
     # int64: an MLP activation of 64k tokens x 14336 channels already passes 2^31 elements.
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements
-    dtype = dgate_ptr.dtype.element_ty
     b_dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     b_g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     b_u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    b_den = 1.0 + tl.exp(-b_g)
-    b_s = 1.0 / b_den
-    b_a = (b_g / b_den).to(dtype).to(tl.float32)
-    b_da = (b_dy * b_u).to(dtype).to(tl.float32)
-    tl.store(dup_ptr + offs, (b_dy * b_a).to(dtype), mask=mask)
-    tl.store(dgate_ptr + offs, (b_da * b_s * (1.0 + b_g * (1.0 - b_s))).to(dtype), mask=mask)
+    b_dgate, b_dup = _swiglu_grads(b_dy, b_g, b_u, dgate_ptr.dtype.element_ty)
+    tl.store(dup_ptr + offs, b_dup, mask=mask)
+    tl.store(dgate_ptr + offs, b_dgate, mask=mask)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -138,23 +149,6 @@ def _swiglu_rows_bwd_kernel(dy_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, stride
     b_dgate, b_dup = _swiglu_grads(b_dy, b_g, b_u, dgate_ptr.dtype.element_ty)
     tl.store(dup_ptr + row * stride_du + cols, b_dup, mask=mask)
     tl.store(dgate_ptr + row * stride_dg + cols, b_dgate, mask=mask)
-
-
-@triton.jit
-def _swiglu_value(b_g, b_u, dtype: tl.constexpr):
-    """silu(g) * u in `dtype`, with the flat kernel's roundings."""
-    b_a = (b_g / (1.0 + tl.exp(-b_g))).to(dtype).to(tl.float32)
-    return (b_a * b_u).to(dtype)
-
-
-@triton.jit
-def _swiglu_grads(b_dy, b_g, b_u, dtype: tl.constexpr):
-    """(dgate, dup) in `dtype`, with the flat kernel's roundings."""
-    b_den = 1.0 + tl.exp(-b_g)
-    b_s = 1.0 / b_den
-    b_a = (b_g / b_den).to(dtype).to(tl.float32)
-    b_da = (b_dy * b_u).to(dtype).to(tl.float32)
-    return (b_da * b_s * (1.0 + b_g * (1.0 - b_s))).to(dtype), (b_dy * b_a).to(dtype)
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor | None:

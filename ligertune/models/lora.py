@@ -151,17 +151,22 @@ class _SharedLoraA(torch.autograd.Function):
         dx = None
         if ctx.needs_input_grad[0]:
             dx = (du @ w).to(x.dtype).view(x.shape)
-        grads: list[torch.Tensor | None] = [None] * len(weights)
-        if any(ctx.needs_input_grad[1:]):
-            # The cast copy exists again only for this product, not from forward to backward.
-            dw = du.t() @ x.reshape(-1, x.shape[-1]).to(w.dtype)
-            parts = dw.split([v.shape[0] for v in weights])
-            grads = [g if need else None for g, need in zip(parts, ctx.needs_input_grad[1:])]
-        return dx, *grads
+        # The cast copy exists again only for this product, not from forward to backward.
+        return dx, *_adapter_grads(du, lambda: x.reshape(-1, x.shape[-1]).to(w.dtype), weights,
+                                   ctx.needs_input_grad[1:])
 
 
 def _cat(weights) -> torch.Tensor:
     return weights[0] if len(weights) == 1 else torch.cat(weights)
+
+
+def _adapter_grads(du: torch.Tensor, x_of, weights, needs) -> list[torch.Tensor | None]:
+    """The gradient of each A in `weights` (rows of cat(A)) where `needs` says so: dU^T x, one GEMM
+    for all of them, x from `x_of()` (2-D, in the adapters' dtype) only when some are needed."""
+    if not any(needs):
+        return [None] * len(weights)
+    parts = (du.t() @ x_of()).split([w.shape[0] for w in weights])
+    return [g if need else None for g, need in zip(parts, needs)]
 
 
 def shared_lora_a(x: torch.Tensor, weights: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -283,11 +288,7 @@ class _JoinedProducts(torch.autograd.Function):
         dx = None
         if ctx.needs_input_grad[0]:
             dx = ctx.siblings.input_grad(dy).addmm_(du, a)
-        grads: list[torch.Tensor | None] = [None] * len(weights)
-        if any(ctx.needs_input_grad[2:]):
-            parts = (du.t() @ x).split([w.shape[0] for w in weights])
-            grads = [g if need else None for g, need in zip(parts, ctx.needs_input_grad[2:])]
-        return dx, None, *grads
+        return dx, None, *_adapter_grads(du, lambda: x, weights, ctx.needs_input_grad[2:])
 
 
 def _plain_outputs(members: list[tuple[nn.Module, str]], x: torch.Tensor) -> list[torch.Tensor]:
@@ -338,11 +339,8 @@ class _PlainProducts(torch.autograd.Function):
                 dx.addmm_(dy, w)
             dx.addmm_(du, a)
         n_frozen = len(ctx.needs_input_grad) - 2 - len(adapters)
-        grads_a: list[torch.Tensor | None] = [None] * len(adapters)
-        if any(ctx.needs_input_grad[2 + n_frozen:]):
-            parts = (du.t() @ x).split([w.shape[0] for w in adapters])
-            grads_a = [g if need else None for g, need in zip(parts, ctx.needs_input_grad[2 + n_frozen:])]
-        return dx, None, *([None] * n_frozen), *grads_a
+        return (dx, None, *([None] * n_frozen),
+                *_adapter_grads(du, lambda: x, adapters, ctx.needs_input_grad[2 + n_frozen:]))
 
 
 class _SplitColumns(torch.autograd.Function):

@@ -14,6 +14,8 @@ profiler and one under the allocator's history:
   loss's row kernel, norms, RoPE, SwiGLU, optimizer, copies and elementwise kernels), the
   kernels that took the most, and the longest stretches with no kernel running, named by the
   kernels on either side;
+- the copies, elementwise and other kernels by what launched them: the operator and its callers,
+  the line of ligertune, transformers or peft code, the input shapes;
 - the host's time by operator (its own time, waits for the device included);
 - peak memory by phase (forward, backward, clipping + optimizer step);
 - at the step's peak, the live allocations by the line of Python that made them.
@@ -96,6 +98,50 @@ def _site(frames) -> str:
     return f"{Path(f['filename']).name}:{f['line']} {f['name']}".strip()
 
 
+SITE_KINDS = ("copy/elementwise", "other")
+"""The kernel kinds `launch_sites` attributes: the small ones, whose cause a kernel name hides."""
+
+
+def launch_sites(events, kinds=SITE_KINDS) -> list[tuple[str, float, int, str]]:
+    """The device time of kernels of `kinds` by what launched them: (kind, ms, kernels, where),
+    where = the operator and up to three callers, the innermost frame of ligertune, transformers or
+    peft code, and the operator's input shapes, most ms first. `events`: the profiler's events
+    (`prof.events()` with `with_stack` and `record_shapes`): a CPU operator carries the kernels it
+    launched, its caller (`cpu_parent`) and its Python stack."""
+    sites: dict[tuple[str, str], list] = defaultdict(lambda: [0.0, 0])
+    for event in events:
+        for kernel in getattr(event, "kernels", None) or []:
+            kind = kind_of(kernel.name)
+            if kind not in kinds:
+                continue
+            chain, parent = [event.name], event.cpu_parent
+            while parent is not None and len(chain) < 4:
+                if parent.name != chain[-1]:
+                    chain.append(parent.name)
+                parent = parent.cpu_parent
+            frame = next((f for f in event.stack or [] if re.search(r"ligertune|transformers|peft", f)), None)
+            where = " < ".join(chain)
+            if frame:  # "/path/file.py(line): function"
+                path, _, rest = frame.partition("(")
+                where += f"  {Path(path).name}({rest}"
+            where += f"  {list(event.input_shapes or [])[:3]}"
+            site = sites[(kind, where)]
+            site[0] += kernel.duration / 1e3
+            site[1] += 1
+    return sorted(((kind, ms, n, where) for (kind, where), (ms, n) in sites.items()), key=lambda s: -s[1])
+
+
+def kernel_sites(step) -> list[tuple[str, float, int, str]]:
+    """`launch_sites` of one step under the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True,
+                 record_shapes=True) as prof:
+        step()
+        torch.cuda.synchronize()
+    return launch_sites(prof.events())
+
+
 def host_ops(step) -> list[tuple[str, float, int]]:
     """The host's time by operator in one step (self time: what it did itself, waits included, as
     in a synchronization): (name, ms, calls), the most first."""
@@ -175,7 +221,8 @@ def probe_step(recipe: Path, overrides: list[str], peers: bool) -> None:
                 recording[0] = False
             kinds, kernels, gaps = profile_kinds(step)
             host = host_ops(step)
-            peak, sites = peak_allocations(step)
+            sites = kernel_sites(step)
+            peak, live = peak_allocations(step)
             print(f"\n{name}: {sum(kinds.values()):.1f} ms of kernels: "
                   + ", ".join(f"{k} {v:.1f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))
             others = [k for k in kernels[12:] if kind_of(k[0]) == "other"]  # not already among the first 12
@@ -185,12 +232,15 @@ def probe_step(recipe: Path, overrides: list[str], peers: bool) -> None:
                   "between the kernels named:")
             for ms, before, after in gaps[:8]:
                 print(f"    {ms:8.2f} ms  {before[:60]}  ->  {after[:60]}")
+            print("  copies, elementwise and other kernels by what launched them:")
+            for kind, ms, n, where in sites[:12]:
+                print(f"    {ms:8.2f} ms {n:5d}x  {kind:12} {where[:160]}")
             print(f"  the host, {sum(ms for _, ms, _ in host):.1f} ms under the profiler; by operator (self time):")
             for op, ms, calls in host[:12]:
                 print(f"    {ms:8.2f} ms {calls:5d}x  {op[:100]}")
             print("  peak GiB by phase: " + ", ".join(f"{p} {g:.2f}" for p, g in phases))
             print(f"  at the peak ({base:.2f} GiB before the step + {peak:.2f}), live by site:")
-            for site, mib, count in sites[:12]:
+            for site, mib, count in live[:12]:
                 print(f"    {mib:8.1f} MiB {count:4d}x  {site}")
         return original[0](self, name, layout, steps, *args, **kwargs)
 

@@ -562,9 +562,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     """`optim.name` over the trainable parameters; norms, biases and other vectors get no weight decay.
 
     AdamW is torch's (`ligertune.training.adamw`), fused on CUDA, FSDP2's sharded parameters
-    (DTensors) included: one kernel over the local shards, where the multi-tensor path sends each of
-    its dozen operations through DTensor's dispatch over every parameter, on the host, while the GPU
-    waits after the step's read-back; Lion is ligertune's Triton kernel
+    (DTensors) included: one kernel over each process's shards, where the multi-tensor path would
+    send each of its operations through DTensor's dispatch on the host; Lion is ligertune's Triton kernel
     (`ligertune.training.lion`). Both step 16-bit parameters through float32 master weights unless
     `optim.master_weights` is false (`ligertune.training.precision`).
     """

@@ -82,8 +82,8 @@ def test_adamw_steps_sharded_weights_with_the_fused_kernel_as_whole_ones(nccl_gr
     engine = shard(CausalLMLoss(model, fused=False), decoder_of(model).layers, strategy="fsdp",
                    device=nccl_group_of_one, mixed_precision=None)
     head = CausalLMLoss(whole, fused=False)
-    config = OptimConfig(lr=1e-3, weight_decay=0.1)
-    optimizers = build_optimizer(model, config), build_optimizer(whole, config)
+    optim = OptimConfig(lr=1e-3, weight_decay=0.1)
+    optimizers = build_optimizer(model, optim), build_optimizer(whole, optim)
     assert all(group["fused"] for opt in optimizers for group in opt.param_groups)
     assert any(type(p).__name__ == "DTensor" for p in model.parameters())
     for _ in range(2):

@@ -561,9 +561,8 @@ def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     """`optim.name` over the trainable parameters; norms, biases and other vectors get no weight decay.
 
-    AdamW is torch's (`ligertune.training.adamw`), fused on CUDA, FSDP2's sharded parameters
-    (DTensors) included: one kernel over each process's shards, where the multi-tensor path would
-    send each of its operations through DTensor's dispatch on the host; Lion is ligertune's Triton kernel
+    AdamW is torch's (`ligertune.training.adamw`), fused on CUDA when every parameter is a plain
+    tensor there (sharded parameters take the multi-tensor one); Lion is ligertune's Triton kernel
     (`ligertune.training.lion`). Both step 16-bit parameters through float32 master weights unless
     `optim.master_weights` is false (`ligertune.training.precision`).
     """
@@ -577,7 +576,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     groups = [g for g in groups if g["params"]]
     if cfg.name == "lion":
         return Lion(groups, lr=cfg.lr, betas=tuple(cfg.betas), master_weights=cfg.master_weights)
-    fused = bool(params) and all(p.is_cuda for _, p in params)
+    fused = bool(params) and all(p.is_cuda and type(p.data) is torch.Tensor for _, p in params)
     return AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused or None,
                  master_weights=cfg.master_weights)
 

@@ -19,8 +19,8 @@ from ligertune.data.packing import pack
 from ligertune.distributed import destroy_process_group, full_tensor, shard
 from ligertune.models import CausalLMLoss, build_model, decoder_of, patch_model, unpatch_model
 from ligertune.numerics import relative_error
-from ligertune.recipe import LoraConfig, ModelConfig, OptimConfig, Recipe
-from ligertune.training.build import FsdpDtypes, build_optimizer, fsdp_dtypes
+from ligertune.recipe import LoraConfig, ModelConfig, Recipe
+from ligertune.training.build import FsdpDtypes, fsdp_dtypes
 from ligertune.training.build import build_model as build_recipe_model
 
 pytestmark = pytest.mark.gpu
@@ -68,31 +68,6 @@ def test_fsdp_shards_in_bf16_over_float32_weights_with_tied_embeddings(nccl_grou
     assert all(p.dtype == torch.float32 for p in model.parameters())  # the sharded master weights
     assert abs(loss - want_loss) <= 1e-2 * abs(want_loss), (loss, want_loss)
     assert relative_error(grads, want_grads) <= 5e-2
-
-
-def test_adamw_steps_sharded_weights_with_the_fused_kernel_as_whole_ones(nccl_group_of_one):
-    """AdamW over FSDP2's float32 shards (DTensors) takes torch's fused kernel, and two steps leave
-    the weights where the same steps leave them unsharded."""
-    config = ModelConfig(config=SMALL_LLAMA, attention="packed")
-    model = build_model(config, device="cuda", dtype=torch.float32, seed=0).train()
-    whole = build_model(config, device="cuda", dtype=torch.float32, seed=0).train()
-    batch = collate(pack(conversations([300, 1000, 57, 641], seed=1), MAX_SEQ_LEN)).to("cuda")
-    supervised = (batch.targets != -100).float()
-    weights = supervised / supervised.sum()
-    engine = shard(CausalLMLoss(model, fused=False), decoder_of(model).layers, strategy="fsdp",
-                   device=nccl_group_of_one, mixed_precision=None)
-    head = CausalLMLoss(whole, fused=False)
-    optim = OptimConfig(lr=1e-3, weight_decay=0.1)
-    optimizers = build_optimizer(model, optim), build_optimizer(whole, optim)
-    assert all(group["fused"] for opt in optimizers for group in opt.param_groups)
-    assert any(type(p).__name__ == "DTensor" for p in model.parameters())
-    for _ in range(2):
-        for h, m, opt in ((engine, model, optimizers[0]), (head, whole, optimizers[1])):
-            loss_and_grads(h, m, batch, weights)
-            opt.step()
-    sharded = torch.cat([full_tensor(p.detach()).reshape(-1) for p in model.parameters()])
-    want = torch.cat([p.detach().reshape(-1) for p in whole.parameters()])
-    assert relative_error(sharded, want) < 1e-5
 
 
 def lora_loss_and_grads(head, model, batch, weights) -> tuple[float, dict[str, torch.Tensor]]:

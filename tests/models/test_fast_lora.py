@@ -14,6 +14,7 @@ import peft
 import pytest
 import torch
 import torch.nn.functional as F
+from counting import Additions
 from rich.console import Console
 from tiny_models import FAMILIES, make_model
 from tiny_recipe import write_recipe
@@ -439,20 +440,6 @@ def test_one_gemm_for_the_a_projections_of_a_shared_input():
     assert peft_bwd - fast_bwd == 6 * LAYERS
 
 
-class _Additions(TorchDispatchMode):
-    """How many additions write a tensor whose last dimension is one of `widths`."""
-
-    def __init__(self, widths: set[int]):
-        super().__init__()
-        self.widths, self.count = widths, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func in (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor) and out.shape[-1] in self.widths:
-            self.count += 1
-        return out
-
-
 def test_the_gradient_of_a_shared_input_is_summed_in_gemms(monkeypatch):
     """The fast path sums each group's gradient of its input, its base layers' and its A product's, in
     GEMMs (`_PlainProducts`: each added in the epilogue of the next); with the group's layers run
@@ -467,7 +454,7 @@ def test_the_gradient_of_a_shared_input_is_summed_in_gemms(monkeypatch):
 
     def additions_and_values(each):
         loss = each(ids).logits.logsumexp(-1).mean()
-        with _Additions(widths) as additions:
+        with Additions(widths) as additions:
             loss.backward()
         return additions.count, logits_loss_grads(each, ids, targets)
 

@@ -311,21 +311,11 @@ def test_nf4_siblings_take_each_input_gradient_without_an_addition():
     summed in GEMMs (`_JoinedProducts`); each layer apart, autograd adds one tensor of x's size a
     layer more (q, k, v and their shared A product: 3; o: 1; gate, up and A: 2; down: 1), but in the
     first block, whose input needs no gradient, for q, k and v."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from counting import Additions
 
     from ligertune.models.lora import patch_lora
 
     widths = {TINY["hidden_size"], TINY["intermediate_size"]}
-
-    class CountAdditions(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func in (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor) and out.shape[-1] in widths:
-                self.count += 1
-            return out
-
     model = lora_over_nf4(torch.float32)
     apart = without_siblings(model)
     counts = []
@@ -333,7 +323,7 @@ def test_nf4_siblings_take_each_input_gradient_without_an_addition():
         patch_lora(each)
         ids = torch.randint(0, TINY["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
         loss = each(input_ids=ids).logits.float().logsumexp(-1).mean()
-        with CountAdditions() as additions:
+        with Additions(widths) as additions:
             loss.backward()
         counts.append(additions.count)
     assert counts[1] - counts[0] == 7 * TINY["num_hidden_layers"] - 3

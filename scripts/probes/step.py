@@ -15,7 +15,7 @@ profiler and one under the allocator's history:
   kernels that took the most, and the longest stretches with no kernel running, named by the
   kernels on either side;
 - the copies, elementwise and other kernels by what launched them: the operator and its callers,
-  the line of ligertune, transformers or peft code, the input shapes;
+  the line of ligertune, transformers, peft or Liger code, the input shapes;
 - the host's time by operator (its own time, waits for the device included);
 - peak memory by phase (forward, backward, clipping + optimizer step);
 - at the step's peak, the live allocations by the line of Python that made them.
@@ -92,8 +92,16 @@ def idle_gaps(timeline: list[tuple[float, float, str]]) -> list[tuple[float, str
     return sorted(gaps, reverse=True)
 
 
+CODE_OF_INTEREST = ("ligertune", "transformers", "peft", "liger_kernel")
+"""Packages whose innermost frame names where an allocation or a kernel launch came from."""
+
+
+def _of_interest(filename: str) -> bool:
+    return any(package in filename for package in CODE_OF_INTEREST)
+
+
 def _site(frames) -> str:
-    ours = [f for f in frames if any(k in f["filename"] for k in ("ligertune", "transformers", "liger_kernel"))]
+    ours = [f for f in frames if _of_interest(f["filename"])]
     f = (ours or frames or [{"filename": "(no Python frame)", "line": 0, "name": ""}])[0]
     return f"{Path(f['filename']).name}:{f['line']} {f['name']}".strip()
 
@@ -104,8 +112,8 @@ SITE_KINDS = ("copy/elementwise", "other")
 
 def launch_sites(events, kinds=SITE_KINDS) -> list[tuple[str, float, int, str]]:
     """The device time of kernels of `kinds` by what launched them: (kind, ms, kernels, where),
-    where = the operator and up to three callers, the innermost frame of ligertune, transformers or
-    peft code, and the operator's input shapes, most ms first. `events`: the profiler's events
+    where = the operator and up to three callers, the innermost frame of `CODE_OF_INTEREST`, and the
+    operator's input shapes, most ms first. `events`: the profiler's events
     (`prof.events()` with `with_stack` and `record_shapes`): a CPU operator carries the kernels it
     launched, its caller (`cpu_parent`) and its Python stack."""
     sites: dict[tuple[str, str], list] = defaultdict(lambda: [0.0, 0])
@@ -119,7 +127,7 @@ def launch_sites(events, kinds=SITE_KINDS) -> list[tuple[str, float, int, str]]:
                 if parent.name != chain[-1]:
                     chain.append(parent.name)
                 parent = parent.cpu_parent
-            frame = next((f for f in event.stack or [] if re.search(r"ligertune|transformers|peft", f)), None)
+            frame = next((f for f in event.stack or [] if _of_interest(f)), None)
             where = " < ".join(chain)
             if frame:  # "/path/file.py(line): function"
                 path, _, rest = frame.partition("(")

@@ -51,10 +51,12 @@ Where the adapters sum in place, a group's outputs are computed at once, at its 
 call, and its gradient of x, the base layers' and the adapters', is summed in GEMMs' epilogues
 where autograd would write each layer's and add them (7 additions of the input's size a decoder
 layer; a layer alone is a group of one). Over plain frozen `nn.Linear` bases: each base product as
-before, U, and the sums in place, from one autograd node (`_plain_outputs`, `_PlainProducts`). Over
-joined base layers (float8 layers: `Float8Siblings`; 4-bit ones: `Nf4Siblings`): one base GEMM over
-the joined weight and one adapter GEMM over the block-diagonal B (`_joined_outputs`,
-`_JoinedProducts`), the output split by columns, its gradients taken back as one.
+before, U, and the sums in place, from one autograd node (`_plain_outputs`, `_PlainProducts`); over
+4-bit bases (`Nf4Siblings`) the same, the group's weights dequantized into one buffer in forward and
+again in backward (`_dequantized_outputs`, `_DequantizedProducts`). Over joined float8 layers
+(`Float8Siblings`): one base GEMM over the joined weight and one adapter GEMM over the block-diagonal
+B (`_joined_outputs`, `_JoinedProducts`), the output split by columns, its gradients taken back as
+one.
 
 With dropout 0 peft's `Identity` is not called. What is left to autograd: per layer, the columns of
 U (tokens x r, for grad B) and the adapter weights; per group, x. The parameters and modules are
@@ -94,7 +96,7 @@ def join_base_layers(model: nn.Module, joinable, join) -> int:
     """Make the base layers of each block's `SHARED_INPUTS` groups (plain, or under peft's LoRA
     layers) one by `join(layers, copied)` where all are `joinable` and read one width on one device,
     `copied` telling for each whether `COPIED` names it; then every other joinable layer one alone,
-    `join([layer])`. The fast LoRA forward runs each such group as one (`_joined_outputs`). Returns
+    `join([layer])`. The fast LoRA forward runs each such group as one (`_SharedInput._outputs`). Returns
     how many groups of several were joined."""
     joined = 0
     for block in model.modules():
@@ -208,17 +210,21 @@ class _SharedInput:
     def _outputs(self, x: torch.Tensor):
         """What computes every member's whole output from x at once, or None where the group's
         adapters do not sum in place in x's dtype (`product` then serves the layers one by one): over
-        joined base layers (`Float8Siblings`, `Nf4Siblings`) exactly these, in this order, that take
-        x as it is, with one scaling, `_joined_outputs`; over plain frozen `nn.Linear` layers of x's
-        dtype, `_plain_outputs`."""
+        joined base layers exactly these, in this order, that take x as it is: 4-bit ones
+        (`Nf4Siblings`), each multiplied by its dequantized weight, `_dequantized_outputs`; float8
+        ones (`Float8Siblings`) as one GEMM, with one scaling, `_joined_outputs`; over plain frozen
+        `nn.Linear` layers of x's dtype, `_plain_outputs`."""
         lora = [(m.lora_A[a].weight, m.lora_B[a]) for m, a in self.members]
         if not all(a.dtype == x.dtype and b.weight.dtype == x.dtype and b.bias is None for a, b in lora):
             return None
         bases = [m.base_layer for m, _ in self.members]
         siblings = vars(bases[0]).get("siblings")  # no exception for a plain base
         if siblings is not None:
-            one_scaling = len({m.scaling[a] for m, a in self.members}) == 1
-            if siblings.layers == tuple(bases) and siblings.accepts(x) and one_scaling:
+            if siblings.layers != tuple(bases) or not siblings.accepts(x):
+                return None
+            if hasattr(siblings, "weights"):  # weights made on demand
+                return lambda: _dequantized_outputs(self.members, siblings, x)
+            if len({m.scaling[a] for m, a in self.members}) == 1:
                 return lambda: _joined_outputs(self.members, siblings, x)
             return None
         if all(type(b) is nn.Linear and b.weight.dtype == x.dtype and not b.weight.requires_grad for b in bases):
@@ -247,8 +253,8 @@ class _SharedInput:
 
 
 def _joined_outputs(members: list[tuple[nn.Module, str]], siblings, x: torch.Tensor) -> list[torch.Tensor]:
-    """Every member's y_i = base_i(x) + s U_i B_i^T over joined base layers (`Float8Siblings`,
-    `Nf4Siblings`):
+    """Every member's y_i = base_i(x) + s U_i B_i^T over joined float8 base layers
+    (`Float8Siblings`):
 
         Y, U = base(x), x cat(A_i)^T                one GEMM each (`_JoinedProducts`)
         Y += s U cat_diag(B_i)^T                    in place, one GEMM
@@ -292,28 +298,49 @@ class _JoinedProducts(torch.autograd.Function):
 
 
 def _plain_outputs(members: list[tuple[nn.Module, str]], x: torch.Tensor) -> list[torch.Tensor]:
-    """Every member's y_i = base_i(x) + s U_i B_i^T over plain frozen `nn.Linear` base layers:
+    """Every member's y_i = base_i(x) + s_i U_i B_i^T over plain frozen `nn.Linear` base layers:
 
         y_i, U = x W_i^T + b_i, x cat(A_i)^T        one GEMM each (`_PlainProducts`)
-        y_i += s U_i B_i^T                          in place, one GEMM each
+        y_i += s_i U_i B_i^T                        in place, one GEMM each
 
     the base products and U from one autograd node, whose backward sums the gradient of x over
     them in GEMMs."""
     bases = [m.base_layer for m, _ in members]
-    x2d = x.reshape(-1, x.shape[-1])
-    *outputs, u = _PlainProducts.apply(x2d, [b.bias is not None for b in bases], *(b.weight for b in bases),
-                                       *(b.bias for b in bases if b.bias is not None),
+    *outputs, u = _PlainProducts.apply(x.reshape(-1, x.shape[-1]), [b.bias is not None for b in bases],
+                                       *(b.weight for b in bases), *(b.bias for b in bases if b.bias is not None),
                                        *(m.lora_A[a].weight for m, a in members))
+    return _add_adapters(members, outputs, u)
+
+
+def _dequantized_outputs(members: list[tuple[nn.Module, str]], siblings, x: torch.Tensor) -> list[torch.Tensor]:
+    """Every member's y_i = base_i(x) + s_i U_i B_i^T over joined base layers whose weights are
+    made on demand (`Nf4Siblings.weights`), as `_plain_outputs` computes them over plain layers
+    (`_DequantizedProducts`)."""
+    *outputs, u = _DequantizedProducts.apply(x.reshape(-1, x.shape[-1]), siblings,
+                                             *(m.lora_A[a].weight for m, a in members))
+    return _add_adapters(members, outputs, u)
+
+
+def _add_adapters(members: list[tuple[nn.Module, str]], outputs, u: torch.Tensor) -> list[torch.Tensor]:
+    """y_i += s_i U_i B_i^T in place, U_i the columns of U for member i."""
     parts = u.split([m.lora_A[a].weight.shape[0] for m, a in members], dim=-1)
     return [y.addmm_(part, m.lora_B[a].weight.t(), alpha=m.scaling[a])
             for y, part, (m, a) in zip(outputs, parts, members)]
 
 
+def _summed_input_grad(dys, weights, du: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """dx = sum_i dy_i W_i + dU A: the first product, then each other added in a GEMM's epilogue
+    (`addmm_`), where autograd would write each and add them."""
+    dx = dys[0] @ weights[0]
+    for dy, w in zip(dys[1:], weights[1:]):
+        dx.addmm_(dy, w)
+    return dx.addmm_(du, a)
+
+
 class _PlainProducts(torch.autograd.Function):
     """(y_1, ..., y_k, U) = (x W_1^T + b_1, ..., x cat(A)^T) for a 2-D x and frozen weights W_i, and
-    in backward the gradient of x over all of them as one: dy_1 W_1, then each other dy_i W_i and dU
-    cat(A) added in a GEMM's epilogue (`addmm_`), where autograd would write each and add them.
-    Keeps x, the weights (as `F.linear` does) and A. The adapters have x's dtype."""
+    in backward the gradient of x over all of them as one (`_summed_input_grad`). Keeps x, the
+    weights (as `F.linear` does) and A. The adapters have x's dtype."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, has_bias: list[bool], *tensors: torch.Tensor):
@@ -331,16 +358,32 @@ class _PlainProducts(torch.autograd.Function):
         x, *saved = ctx.saved_tensors
         weights, adapters = saved[: ctx.k], saved[ctx.k:]
         dys, du = grads[: ctx.k], grads[ctx.k]
-        a = _cat(adapters)
-        dx = None
-        if ctx.needs_input_grad[0]:
-            dx = dys[0] @ weights[0]
-            for dy, w in zip(dys[1:], weights[1:]):
-                dx.addmm_(dy, w)
-            dx.addmm_(du, a)
+        dx = _summed_input_grad(dys, weights, du, _cat(adapters)) if ctx.needs_input_grad[0] else None
         n_frozen = len(ctx.needs_input_grad) - 2 - len(adapters)
         return (dx, None, *([None] * n_frozen),
                 *_adapter_grads(du, lambda: x, adapters, ctx.needs_input_grad[2 + n_frozen:]))
+
+
+class _DequantizedProducts(torch.autograd.Function):
+    """`_PlainProducts` (bias-free) over joined base layers whose weights are made on demand
+    (`siblings.weights(dtype)`: `Nf4Siblings`, dequantized), made again in backward rather than kept:
+    nothing of the base is kept."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, siblings, *adapters: torch.Tensor):
+        ctx.siblings = siblings
+        ctx.save_for_backward(x, *adapters)
+        outputs = [F.linear(x, w) for w in siblings.weights(x.dtype)]
+        return (*outputs, F.linear(x, _cat(adapters)))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        x, *adapters = ctx.saved_tensors
+        dys, du = grads[:-1], grads[-1]
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = _summed_input_grad(dys, ctx.siblings.weights(dys[0].dtype), du, _cat(adapters))
+        return dx, None, *_adapter_grads(du, lambda: x, adapters, ctx.needs_input_grad[2:])
 
 
 class _SplitColumns(torch.autograd.Function):

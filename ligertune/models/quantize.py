@@ -24,9 +24,9 @@ config, with random weights, is built in `model.dtype` and its layers are replac
 (`quantize_linears`), with the same bitsandbytes settings: both give the same stored weights.
 
 Either way the 4-bit layers of a block that read one input (q, k, v; gate, up) are then joined, and
-the others stand alone (`Nf4Siblings`): where the fast LoRA forward runs over them, their weights are
-dequantized side by side in one pass (`ligertune.kernels.dequantize_4bit`) and multiplied as one, as
-the float8 layers' are (`ligertune.models.float8`).
+the others stand alone (`Nf4Siblings`): where the fast LoRA forward runs over them, a group's weights
+are dequantized side by side in one pass (`ligertune.kernels.dequantize_4bit`), each layer multiplied
+by its own rows, and the input's gradient summed over the group in GEMM epilogues.
 """
 
 from __future__ import annotations
@@ -120,22 +120,19 @@ def keep_cpu_layout(model: nn.Module) -> None:
 
 class Nf4Siblings:
     """bitsandbytes NF4 layers that read one input (q, k, v; gate, up), or one such layer alone,
-    multiplied as one.
+    dequantized as one.
 
-    `product(x)` of a 2-D input x: the layers' weights dequantized side by side into one buffer of
-    x's dtype (`ligertune.kernels.dequantize_4bit`: one pass, each layer into its own rows) and one
-    GEMM, the layers' outputs side by side in the order of `layers`; `input_grad(dy)`: the weights
-    dequantized again and the joined gradient multiplied in one GEMM, the input's gradient summed
-    over the layers in the GEMM's float32 accumulator. Plain functions, without autograd: the fast
-    LoRA forward's `_JoinedProducts` calls them, keeping nothing for the base. Each layer alone
-    through bitsandbytes (`MatMul4Bit`, at training sizes) does the same per layer: dequantize (two
-    kernels), multiply, and in backward one product a layer, which autograd then adds up in x's
-    dtype. The stored weights are untouched. `copied`: for each layer, whether the fast LoRA
-    forward copies its part out (`lora.COPIED`)."""
+    `weights(dtype)`: the layers' weights dequantized side by side into one buffer of `dtype`
+    (`ligertune.kernels.dequantize_4bit`: one pass, each layer into its own rows), a view of its rows
+    for each layer, in the order of `layers`. The fast LoRA forward multiplies each layer by its own
+    rows, the outputs whole (no column slices of a joined output to copy), and in backward sums the
+    input's gradient over the group in GEMM epilogues (`lora._DequantizedProducts`), dequantizing
+    again rather than keeping a weight from forward to backward. Each layer alone through
+    bitsandbytes (`MatMul4Bit`, at training sizes) takes two kernels a layer to dequantize, and
+    autograd adds the layers' input gradients up in x's dtype. The stored weights are untouched."""
 
-    def __init__(self, layers: list[nn.Module], copied: tuple[bool, ...] | None = None):
+    def __init__(self, layers: list[nn.Module]):
         self.layers = tuple(layers)
-        self.copied = copied or (False,) * len(layers)
         self.sizes = [layer.out_features for layer in layers]
         for layer in layers:
             layer.siblings = self
@@ -160,11 +157,9 @@ class Nf4Siblings:
             dequantize_4bit(layer.weight.data, state.code, block_scales(state), rows)
         return weight
 
-    def product(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.dequantized(x.dtype))
-
-    def input_grad(self, dy: torch.Tensor) -> torch.Tensor:
-        return dy @ self.dequantized(dy.dtype)
+    def weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """Each layer's weight, dequantized in `dtype`: the rows of one buffer, in order."""
+        return self.dequantized(dtype).split(self.sizes)
 
 
 def block_scales(state) -> BlockScales:
@@ -183,7 +178,7 @@ def join_nf4_siblings(model: nn.Module) -> int:
     return join_base_layers(
         model, lambda layer: (layer_quantization(layer) == "nf4" and layer.bias is None
                               and vars(layer).get("siblings") is None),
-        Nf4Siblings)
+        lambda layers, copied=None: Nf4Siblings(layers))  # each output its own tensor: none copied
 
 
 def _quantized(bnb: Any, linear: nn.Linear, kind: str, dtype: torch.dtype) -> nn.Module:

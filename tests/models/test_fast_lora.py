@@ -342,20 +342,24 @@ def test_every_option_at_once(case):
     assert_same(pooled(logits_loss_grads(fast, *batch) for batch in batches), reference, case, oracle=oracle)
 
 
-def test_ranks_and_alphas_per_layer_in_groups_run_as_one(monkeypatch):
+@pytest.mark.parametrize("base", ["plain", pytest.param("nf4", marks=NEEDS_BITSANDBYTES)])
+def test_ranks_and_alphas_per_layer_in_groups_run_as_one(base, monkeypatch):
     """Ranks and alphas per layer (`rank_pattern`, `alpha_pattern`, rsLoRA) within groups whose
-    outputs come from one autograd node (`_plain_outputs`: each layer summed with its own scaling):
-    peft's values."""
+    outputs come from one autograd node, each layer summed with its own scaling (`_plain_outputs`;
+    over 4-bit layers `_dequantized_outputs`): peft's values."""
     from ligertune.models import lora as fast_lora
 
     lora = peft.LoraConfig(
         r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM", use_rslora=True,
         rank_pattern={"k_proj": 2, "gate_proj": 8}, alpha_pattern={"v_proj": 3, "up_proj": 5},
     )
-    model, fast, _ = wrapped_pair("llama", "fp32", lora)
+    quantization = None if base == "plain" else base
+    # widths multiples of 64, as in test_fast_lora_over_a_quantized_base_equals_peft
+    model, fast, _ = wrapped_pair("llama", "fp32", lora, quantization=quantization, intermediate_size=128)
     calls = []
-    plain_outputs = fast_lora._plain_outputs
-    monkeypatch.setattr(fast_lora, "_plain_outputs", lambda *args: calls.append(1) or plain_outputs(*args))
+    name = "_plain_outputs" if base == "plain" else "_dequantized_outputs"
+    outputs = getattr(fast_lora, name)
+    monkeypatch.setattr(fast_lora, name, lambda *args: calls.append(1) or outputs(*args))
     ids, targets = token_batch()
     values = logits_loss_grads(fast, ids, targets)
     assert len(calls) == 4 * LAYERS  # q, k, v; o; gate, up; down

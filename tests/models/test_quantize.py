@@ -243,11 +243,11 @@ def without_siblings(model: nn.Module) -> nn.Module:
 
 @needs_bitsandbytes
 @pytest.mark.parametrize("source", ["pretrained", "config"])
-def test_nf4_siblings_multiply_as_one_gemm_with_the_values_of_each(source, tmp_path, monkeypatch):
+def test_nf4_siblings_dequantize_as_one_with_the_values_of_each(source, tmp_path, monkeypatch):
     """q, k, v and gate, up of each block are joined (`Nf4Siblings`; o and down each alone), however
-    the model was quantized; under the fast LoRA forward each group's base is one GEMM forward and
-    one backward over the layers' dequantized weights, with the loss and gradients of the layers
-    apart (float32: only the order of the sums differs)."""
+    the model was quantized; under the fast LoRA forward each group's weights are dequantized once
+    forward and once backward, with the loss and gradients of the layers apart (float32: only the
+    order of the sums differs)."""
     from ligertune.models import quantize
     from ligertune.models.lora import SHARED_INPUTS, patch_lora
 
@@ -308,7 +308,7 @@ def test_nf4_siblings_in_bf16_are_as_close_to_float32_as_the_layers_apart():
 @needs_bitsandbytes
 def test_nf4_siblings_take_each_input_gradient_without_an_addition():
     """Under the fast LoRA forward a joined group's gradient of x, the base's and the adapters', is
-    summed in GEMMs (`_JoinedProducts`); each layer apart, autograd adds one tensor of x's size a
+    summed in GEMMs (`_DequantizedProducts`); each layer apart, autograd adds one tensor of x's size a
     layer more (q, k, v and their shared A product: 3; o: 1; gate, up and A: 2; down: 1), but in the
     first block, whose input needs no gradient, for q, k and v."""
     from counting import Additions

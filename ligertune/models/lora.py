@@ -306,13 +306,15 @@ def _plain_outputs(members: list[tuple[nn.Module, str]], x: torch.Tensor) -> lis
     the base products and U from one autograd node, whose backward sums the gradient of x over
     them in GEMMs."""
     bases = [m.base_layer for m, _ in members]
+    biases = [b.bias for b in bases if b.bias is not None]
+    adapters = [m.lora_A[a].weight for m, a in members]
     *outputs, u = _PlainProducts.apply(x.reshape(-1, x.shape[-1]), [b.bias is not None for b in bases],
-                                       *(b.weight for b in bases), *(b.bias for b in bases if b.bias is not None),
-                                       *(m.lora_A[a].weight for m, a in members))
+                                       *(b.weight for b in bases), *biases, *adapters)
     return _add_adapters(members, outputs, u)
 
 
-def _dequantized_outputs(members: list[tuple[nn.Module, str]], siblings, x: torch.Tensor) -> list[torch.Tensor]:
+def _dequantized_outputs(members: list[tuple[nn.Module, str]], siblings,
+                         x: torch.Tensor) -> list[torch.Tensor]:
     """Every member's y_i = base_i(x) + s_i U_i B_i^T over joined base layers whose weights are
     made on demand (`Nf4Siblings.weights`), as `_plain_outputs` computes them over plain layers
     (`_DequantizedProducts`)."""

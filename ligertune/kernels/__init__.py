@@ -154,6 +154,9 @@ def dequantize_4bit(packed: torch.Tensor, table: torch.Tensor, scales: BlockScal
                     out: torch.Tensor) -> torch.Tensor:
     """`out` filled with the weights of 4-bit codes in bitsandbytes' layout (two a byte of `packed`,
     the high half first): table[code_i] times the scale of i's block (`scales`); see `nf4`."""
+    if not out.is_contiguous() or out.numel() != 2 * packed.numel():
+        raise ValueError(f"dequantize_4bit: out must be contiguous with 2 weights a byte of the codes; got "
+                         f"{out.numel()} for {packed.numel()} bytes")
     return _impl("dequantize_4bit", packed.device)(packed, table, scales, out)
 
 

@@ -62,10 +62,8 @@ def _dequantize_4bit_kernel(packed_ptr, table_ptr, absmax_ptr, code_ptr, absmax2
 
 def dequantize_4bit(packed: torch.Tensor, table: torch.Tensor, scales: BlockScales,
                     out: torch.Tensor) -> torch.Tensor:
-    """`out` (contiguous, 2 weights a byte of `packed`) filled with the weights; see the module docstring."""
-    if not out.is_contiguous() or out.numel() != 2 * packed.numel():
-        raise ValueError(f"dequantize_4bit: out must be contiguous with 2 weights a byte of the codes; got "
-                         f"{out.numel()} for {packed.numel()} bytes")
+    """`out` (contiguous, 2 weights a byte of `packed`, as `kernels.dequantize_4bit` checks) filled
+    with the weights; see the module docstring."""
     nested = scales.code is not None
     grid = (triton.cdiv(packed.numel(), BLOCK_BYTES),)
     _dequantize_4bit_kernel[grid](

@@ -480,10 +480,8 @@ def transpose_float8(x: torch.Tensor) -> torch.Tensor:
 def dequantize_4bit(packed: torch.Tensor, table: torch.Tensor, scales: BlockScales,
                     out: torch.Tensor) -> torch.Tensor:
     """`out` filled with table[code_i] * scale_{i // blocksize}, the codes two a byte of `packed`, the
-    high half first (`nf4.dequantize_4bit`'s formula), in float32 and rounded once to out's dtype."""
-    if not out.is_contiguous() or out.numel() != 2 * packed.numel():
-        raise ValueError(f"dequantize_4bit: out must be contiguous with 2 weights a byte of the codes; got "
-                         f"{out.numel()} for {packed.numel()} bytes")
+    high half first (`nf4.dequantize_4bit`'s formula), in float32 and rounded once to out's dtype
+    (its shape checked by `kernels.dequantize_4bit`)."""
     packed = packed.reshape(-1).int()
     codes = torch.stack([packed >> 4, packed & 15], dim=1).reshape(-1)
     blocks = torch.arange(codes.numel(), device=codes.device) // scales.blocksize

@@ -43,7 +43,7 @@ from torch import nn
 
 from ligertune.errors import UserError
 from ligertune.kernels import quantize_rows, transpose_float8
-from ligertune.models.lora import join_base_layers
+from ligertune.models.lora import _cat, join_base_layers
 from ligertune.quiet import quiet_optional_libraries
 
 EXTRA = "fp8"
@@ -190,9 +190,8 @@ class Float8Siblings:
         self.layers = tuple(layers)
         self.copied = copied or (False,) * len(layers)
         self.sizes = [layer.out_features for layer in layers]
-        self.weight = torch.cat([layer.weight for layer in layers]) if len(layers) > 1 else layers[0].weight
-        self.weight_scale = (torch.cat([layer.weight_scale for layer in layers]) if len(layers) > 1
-                             else layers[0].weight_scale)
+        self.weight = _cat([layer.weight for layer in layers])  # a layer alone keeps its own
+        self.weight_scale = _cat([layer.weight_scale for layer in layers])
         self.unit_scale = layers[0].unit_scale
         for layer, weight, scale in zip(layers, self.weight.split(self.sizes), self.weight_scale.split(self.sizes)):
             layer.weight, layer.weight_scale, layer.siblings = weight, scale, self

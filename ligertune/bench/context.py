@@ -57,6 +57,7 @@ def run_max_context(recipe: Recipe, config: StepBenchConfig, limit: int, *, reci
         row = report.rows[-1]
         row.layout, row.tokens = "context", tokens  # a failed row has no count of its own
         rows[tokens] = row
+        log(f"context: {tokens:,} tokens {probe_outcome(row)}")
         if row.status == "ok":
             return True
         if row.detail == OUT_OF_MEMORY:
@@ -73,6 +74,15 @@ def run_max_context(recipe: Recipe, config: StepBenchConfig, limit: int, *, reci
     report.context = {"limit": limit, "longest": longest, "tokens_per_s": best.tokens_per_s if best else None,
                       "peak_mem_gib": best.peak_mem_gib if best else None}
     return report
+
+
+def probe_outcome(row: StepRow) -> str:
+    """One probe's result as the search's log says it, as it goes: a search cut short still
+    leaves what each probe did."""
+    if row.status != "ok":
+        return f"did not train: {row.detail}"
+    peak = f", peak {row.peak_mem_gib:.1f} GiB" if row.peak_mem_gib is not None else ""
+    return f"trained: {row.tokens_per_s:,.0f} tokens/s{peak} ({row.checkpointing})"
 
 
 class ProbeFailed(Exception):

@@ -5,6 +5,7 @@ memory is played by a step that raises it above a length."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -75,6 +76,9 @@ def test_max_context_probes_one_conversation_a_step_until_memory_runs_out(recipe
                                "peak_mem_gib": None}
     assert "the longest that trained: 128 tokens (searched up to 4,096)" in result.output
     assert "one conversation a step, from 48 tokens up to 4,096" in result.output
+    # Each probe's outcome is logged as it ends, so a search cut short still says what it found.
+    assert "context: 192 tokens did not train: out of memory" in result.output
+    assert re.search(r"context: 128 tokens trained: [\d,]+ tokens/s \(every layer\)", result.output), result.output
 
 
 def test_a_failure_other_than_memory_ends_the_search(recipe_file, tmp_path, monkeypatch, no_peers):  # noqa: F811

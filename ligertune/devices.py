@@ -64,6 +64,24 @@ def release_memory(device: torch.device | str) -> None:
         torch.cuda.empty_cache()
 
 
+def device_memory_bytes(device: torch.device) -> int:
+    """What this process may take of the CUDA device's memory: all of it, or the part
+    `cap_device_memory` left it."""
+    fraction = torch.cuda.get_per_process_memory_fraction(device)
+    return int(torch.cuda.get_device_properties(device).total_memory * fraction)
+
+
+def cap_device_memory(device: torch.device, gib: float, *, option: str = "--device-memory") -> None:
+    """Let this process's CUDA allocator take at most `gib` GiB of the device, as a card of that
+    size would (the CUDA context, outside the allocator, comes on top)."""
+    if device.type != "cuda":
+        raise UserError(f"{option}: caps a CUDA device's memory; the device here is {device.type}")
+    total = torch.cuda.get_device_properties(device).total_memory
+    if not 0 < gib * 2**30 <= total:
+        raise UserError(f"{option} {gib:g}: must be above 0 and at most this device's {total / 2**30:.1f} GiB")
+    torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total, device)
+
+
 def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """`tensor` on `device`; from host memory to a GPU through pinned memory, so that the copy is
     queued on the stream and the host goes on (a copy from pageable memory waits for the device)."""

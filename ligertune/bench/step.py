@@ -57,7 +57,7 @@ from ligertune.bench.synthetic import (
     whole_micro_batches,
 )
 from ligertune.bench.timing import measure
-from ligertune.devices import device_name, release_memory, resolve_dtype, synchronize
+from ligertune.devices import cap_device_memory, device_name, release_memory, resolve_dtype, synchronize
 from ligertune.errors import UserError
 from ligertune.flops import StepFlops, device_peak_tflops
 from ligertune.recipe import Recipe
@@ -86,6 +86,7 @@ class StepBenchConfig:
     peers: bool = True  # False: ligertune's rows only
     chat_micro_batches: int = 4
     peak_tflops: float | None = None
+    device_memory_gib: float | None = None  # cap the CUDA allocator: run as a card of this size would
     measure_matmul: bool = True
     seed: int = 0
     # Preference recipes: the synthetic pairs (None: `bench.preference.pair_shape`'s defaults)
@@ -135,6 +136,8 @@ def new_report(recipe: Recipe, config: StepBenchConfig, recipe_name: str,
     if config.steps < 1 or config.warmup < 0:
         raise UserError("--steps must be >= 1 and --warmup >= 0")
     device = build_device(recipe.train)
+    if config.device_memory_gib is not None:
+        cap_device_memory(device, config.device_memory_gib)
     peak = config.peak_tflops
     if peak is None and device.type == "cuda":
         peak = device_peak_tflops(device)
@@ -150,6 +153,8 @@ def new_report(recipe: Recipe, config: StepBenchConfig, recipe_name: str,
         peak_tflops=peak, matmul_tflops=matmul, kernels="", note=None, versions=versions(),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )
+    if config.device_memory_gib is not None:
+        report.note = f"the device's memory capped at {config.device_memory_gib:g} GiB (--device-memory)"
     if device.type != "cuda":
         report.note = "cpu: no GPU; a tiny model's step says nothing of GPU speed (no peak memory, no MFU)"
     return device, report

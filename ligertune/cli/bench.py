@@ -177,6 +177,11 @@ def step(
                                     help="Find the longest single conversation (up to LIMIT tokens) whose step "
                                          "trains, from data.max_seq_len up, and its tokens/s there.")
     ] = None,
+    device_memory: Annotated[
+        Optional[float], typer.Option("--device-memory", metavar="GIB", show_default=False,
+                                      help="Cap this process's CUDA allocator at GIB, as a card of that size "
+                                           "would (with --max-context: what trains on a smaller GPU).")
+    ] = None,
     pairs: Annotated[
         Optional[int], typer.Option("--pairs", help="Preference recipes: pairs (kto: examples) a step (default: "
                                     "micro_batch_size x grad_accum_steps).", show_default=False)
@@ -232,7 +237,7 @@ def step(
     default = StepBenchConfig(steps=1, warmup=0) if max_context is not None else StepBenchConfig()
     config = StepBenchConfig(steps=default.steps if steps is None else steps,
                              warmup=default.warmup if warmup is None else warmup,
-                             chat=chat, peers=peers, peak_tflops=peak_tflops,
+                             chat=chat, peers=peers, peak_tflops=peak_tflops, device_memory_gib=device_memory,
                              pairs=pairs, prompt_len=prompt_len, answer_len=answer_len)
     console = Console()
     progress = Console(stderr=True, highlight=False)

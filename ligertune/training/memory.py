@@ -50,6 +50,8 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
+from ligertune.devices import device_memory_bytes
+
 GIB = 2**30
 
 
@@ -309,9 +311,10 @@ class CudaAllocator:
 
 
 def default_budget_gib(device: torch.device) -> float:
-    """`train.memory_budget_gib` left unset: 90% of the device's memory, room for the allocator's
-    fragmentation and the CUDA context."""
-    return 0.9 * torch.cuda.get_device_properties(device).total_memory / GIB
+    """`train.memory_budget_gib` left unset: 90% of the device's memory (of what this process may
+    take of it, `devices.cap_device_memory`), room for the allocator's fragmentation and the CUDA
+    context."""
+    return 0.9 * device_memory_bytes(device) / GIB
 
 
 def device_allocator(device: torch.device) -> CudaAllocator | None:

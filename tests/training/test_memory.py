@@ -264,6 +264,20 @@ def test_auto_on_a_cpu_recomputes_nothing(tmp_path: Path):
         cleanup(run)
 
 
+def test_the_default_budget_is_of_what_the_process_may_take(monkeypatch):
+    """With `bench step --device-memory` capping the allocator, the plan is made for the capped
+    card, not for the whole device."""
+    from types import SimpleNamespace
+
+    from ligertune.training.memory import default_budget_gib
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: SimpleNamespace(total_memory=140 * GIB))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)
+    assert default_budget_gib(torch.device("cuda")) == pytest.approx(0.9 * 140)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 0.5)
+    assert default_budget_gib(torch.device("cuda")) == pytest.approx(0.9 * 70)
+
+
 def test_a_budget_without_auto_is_refused(tmp_path: Path):
     from ligertune.errors import UserError
 

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from cli_runs import ligertune
+from cli_runs import failed_launch, ligertune, torchrun
 from distributed_lora_dtypes import one_step
 from distributed_step import MODES, step_gradients
 from rich.console import Console
@@ -27,12 +25,6 @@ from ligertune.training.build import FsdpDtypes, fsdp_dtypes
 HERE = Path(__file__).resolve().parent
 # Every option of the loss on, so that each term goes through the ranks.
 LOSS = ["loss.z_loss_weight=1e-3", "loss.label_smoothing=0.1"]
-
-
-def torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{HERE}:{HERE.parent}"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def train_in_one_process(path: Path, *overrides: str, resume=None):
@@ -73,9 +65,9 @@ def test_two_processes_give_the_loss_and_gradients_of_one(tmp_path: Path, settin
     path = write_recipe(tmp_path, train={"micro_batch_size": 2, "grad_accum_steps": accumulation},
                         model={"config": {**TINY_MODEL, "tie_word_embeddings": True}})
     overrides = [*LOSS, *setting]
-    result = torchrun(str(HERE / "distributed_step.py"), str(path), str(tmp_path / "two.pt"),
+    result = torchrun(HERE / "distributed_step.py", str(path), str(tmp_path / "two.pt"),
                       *overrides, f"train.grad_accum_steps={accumulation // 2}")
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failed_launch(result)
     two = torch.load(tmp_path / "two.pt", weights_only=True)
     one = step_gradients(str(path), overrides, tmp_path / "one")
     for mode in MODES:
@@ -141,9 +133,9 @@ def test_lora_under_fsdp_shards_a_bf16_base_beside_float32_adapters(tmp_path: Pa
     gradients within bf16's rounding (one process accumulates them in bf16, FSDP in float32)."""
     path = write_recipe(tmp_path, model={"dtype": "bfloat16"}, train={"micro_batch_size": 2, "grad_accum_steps": 2},
                         lora={"r": 4, "alpha": 8, "modules_to_save": ["lm_head"]})
-    result = torchrun(str(HERE / "distributed_lora_dtypes.py"), str(path), str(tmp_path / "two.pt"),
+    result = torchrun(HERE / "distributed_lora_dtypes.py", str(path), str(tmp_path / "two.pt"),
                       "train.grad_accum_steps=1")
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failed_launch(result)
     two = torch.load(tmp_path / "two.pt", weights_only=True)
     one = one_step(str(path), [], tmp_path / "one")
     frozen = {name for name, (_, trainable) in two["dtypes"].items() if not trainable}

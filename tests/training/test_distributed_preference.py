@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 from distributed_preference import preference_step
-from test_distributed import HERE, ligertune, torchrun
+from cli_runs import failed_launch, torchrun
+from test_distributed import HERE, ligertune
 from tiny_recipe import write_preference_recipe
 
 from ligertune.numerics import relative_error
@@ -27,9 +28,9 @@ def test_two_processes_give_the_preference_step_of_one(tmp_path: Path, setting: 
     path = write_preference_recipe(tmp_path, n_eval=5, data={"packing": False},
                                    train={"micro_batch_size": 2, "grad_accum_steps": 2})
     overrides = setting
-    result = torchrun(str(HERE / "distributed_preference.py"), str(path), str(tmp_path / "two.pt"),
+    result = torchrun(HERE / "distributed_preference.py", str(path), str(tmp_path / "two.pt"),
                       *overrides, "train.grad_accum_steps=1")
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failed_launch(result)
     two = torch.load(tmp_path / "two.pt", weights_only=True)
     one = preference_step(str(path), overrides, tmp_path / "one")
     assert len(two["reference"]) == len(one["reference"])

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_runs import failed_launch, torchrun
 from rich.console import Console
 from tiny_recipe import write_recipe
 
@@ -227,11 +225,8 @@ def test_two_processes_record_each_spike_once_with_every_conversation_of_the_ste
     clipping, the tensors clipped) of one process."""
     path = write_recipe(tmp_path, train={**WATCH, "micro_batch_size": 2, "grad_accum_steps": 1},
                         optim={"name": "lion", "lr": 1e-4, "clip": "per_tensor", "max_grad_norm": 0.05})
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{HERE}:{HERE.parent}"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(HERE / "distributed_spike.py"), str(path), "6", f"output.dir={tmp_path / 'two'}"]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = torchrun(HERE / "distributed_spike.py", str(path), "6", f"output.dir={tmp_path / 'two'}", timeout=300)
+    assert result.returncode == 0, failed_launch(result)
     one = start(path, f"output.dir={tmp_path / 'one'}", "train.grad_accum_steps=2")
     spike_at(one, {6})
     finish(one)

@@ -14,8 +14,9 @@ profiler and one under the allocator's history:
   loss's row kernel, norms, RoPE, SwiGLU, optimizer, copies and elementwise kernels), the
   kernels that took the most, and the longest stretches with no kernel running, named by the
   kernels on either side;
-- the copies, elementwise and other kernels by what launched them: the operator and its callers,
-  the line of ligertune, transformers, peft or Liger code, the input shapes;
+- the GEMMs, copies, elementwise and other kernels by what launched them: the operator and its
+  callers, the line of ligertune, transformers, peft or Liger code, the input shapes (and for a
+  matrix product the TFLOP/s it ran at);
 - the host's time by operator (its own time, waits for the device included);
 - peak memory by phase (forward, backward, clipping + optimizer step);
 - at the step's peak, the live allocations by the line of Python that made them.
@@ -106,18 +107,33 @@ def _site(frames) -> str:
     return f"{Path(f['filename']).name}:{f['line']} {f['name']}".strip()
 
 
-SITE_KINDS = ("copy/elementwise", "other")
-"""The kernel kinds `launch_sites` attributes: the small ones, whose cause a kernel name hides."""
+SITE_KINDS = ("copy/elementwise", "other", "GEMM", "GEMM float8")
+"""The kernel kinds `launch_sites` attributes: the small ones, whose cause a kernel name hides, and
+the GEMMs, whose shapes say what each multiplies and how near the peak it runs."""
 
 
-def launch_sites(events, kinds=SITE_KINDS) -> list[tuple[str, float, int, str]]:
-    """The device time of kernels of `kinds` by what launched them: (kind, ms, kernels, where),
-    where = the operator and up to three callers, the innermost frame of `CODE_OF_INTEREST`, and the
-    operator's input shapes, most ms first. `events`: the profiler's events
-    (`prof.events()` with `with_stack` and `record_shapes`): a CPU operator carries the kernels it
-    launched, its caller (`cpu_parent`) and its Python stack."""
-    sites: dict[tuple[str, str], list] = defaultdict(lambda: [0.0, 0])
+def matmul_flops(op: str, shapes: list) -> float | None:
+    """2 M N K of a matrix product operator from its input shapes (`aten::mm`: [M, K], [K, N];
+    `aten::addmm` and `addmm_`: C, [M, K], [K, N]); None for any other operator."""
+    first = 1 if op in ("aten::addmm", "aten::addmm_") else 0
+    if op not in ("aten::mm", "aten::addmm", "aten::addmm_", "aten::_scaled_mm") or len(shapes) < first + 2:
+        return None
+    a, b = shapes[first], shapes[first + 1]
+    if len(a) != 2 or len(b) != 2:
+        return None
+    return 2.0 * a[0] * a[1] * b[1]
+
+
+def launch_sites(events, kinds=SITE_KINDS) -> list[tuple[str, float, int, str, float | None]]:
+    """The device time of kernels of `kinds` by what launched them: (kind, ms, kernels, where,
+    TFLOP/s), where = the operator and up to three callers, the innermost frame of
+    `CODE_OF_INTEREST`, and the operator's input shapes, most ms first; TFLOP/s where the operator is
+    a matrix product (`matmul_flops`), else None. `events`: the profiler's events (`prof.events()`
+    with `with_stack` and `record_shapes`): a CPU operator carries the kernels it launched, its caller
+    (`cpu_parent`) and its Python stack."""
+    sites: dict[tuple[str, str], list] = defaultdict(lambda: [0.0, 0, 0.0])
     for event in events:
+        counted = False  # an operator's FLOPs once, however many kernels it launched
         for kernel in getattr(event, "kernels", None) or []:
             kind = kind_of(kernel.name)
             if kind not in kinds:
@@ -132,11 +148,16 @@ def launch_sites(events, kinds=SITE_KINDS) -> list[tuple[str, float, int, str]]:
             if frame:  # "/path/file.py(line): function"
                 path, _, rest = frame.partition("(")
                 where += f"  {Path(path).name}({rest}"
-            where += f"  {list(event.input_shapes or [])[:3]}"
+            shapes = list(event.input_shapes or [])
+            where += f"  {shapes[:3]}"
             site = sites[(kind, where)]
             site[0] += kernel.duration / 1e3
             site[1] += 1
-    return sorted(((kind, ms, n, where) for (kind, where), (ms, n) in sites.items()), key=lambda s: -s[1])
+            if not counted:
+                site[2] += matmul_flops(event.name, shapes) or 0.0
+                counted = True
+    return sorted(((kind, ms, n, where, flops / ms / 1e9 if flops and ms else None)
+                   for (kind, where), (ms, n, flops) in sites.items()), key=lambda s: -s[1])
 
 
 def kernel_sites(step) -> list[tuple[str, float, int, str]]:
@@ -240,8 +261,13 @@ def probe_step(recipe: Path, overrides: list[str], peers: bool) -> None:
                   "between the kernels named:")
             for ms, before, after in gaps[:8]:
                 print(f"    {ms:8.2f} ms  {before[:60]}  ->  {after[:60]}")
+            gemms = [site for site in sites if site[0].startswith("GEMM")]
+            print(f"  GEMMs by what launched them ({sum(s[1] for s in gemms):.1f} ms; TFLOP/s of the operator):")
+            for kind, ms, n, where, tflops in gemms[:24]:
+                rate = f"{tflops:6.0f}" if tflops else "     -"
+                print(f"    {ms:8.2f} ms {n:5d}x {rate} TFLOP/s  {where[:150]}")
             print("  copies, elementwise and other kernels by what launched them:")
-            for kind, ms, n, where in sites[:12]:
+            for kind, ms, n, where, _ in [site for site in sites if not site[0].startswith("GEMM")][:12]:
                 print(f"    {ms:8.2f} ms {n:5d}x  {kind:12} {where[:160]}")
             print(f"  the host, {sum(ms for _, ms, _ in host):.1f} ms under the profiler; by operator (self time):")
             for op, ms, calls in host[:12]:

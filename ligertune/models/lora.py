@@ -53,7 +53,8 @@ where autograd would write each layer's and add them (7 additions of the input's
 layer; a layer alone is a group of one). Over plain frozen `nn.Linear` bases: each base product as
 before, U, and the sums in place, from one autograd node (`_plain_outputs`, `_PlainProducts`); over
 4-bit bases (`Nf4Siblings`) the same, the group's weights dequantized into one buffer in forward and
-again in backward (`_dequantized_outputs`, `_DequantizedProducts`). Over joined float8 layers
+again in backward, or taken from the layer's recompute under checkpointing (`_dequantized_outputs`,
+`_DequantizedProducts`). Over joined float8 layers
 (`Float8Siblings`): one base GEMM over the joined weight and one adapter GEMM over the block-diagonal
 B (`_joined_outputs`, `_JoinedProducts`), the output split by columns, its gradients taken back as
 one.
@@ -368,14 +369,20 @@ class _PlainProducts(torch.autograd.Function):
 
 class _DequantizedProducts(torch.autograd.Function):
     """`_PlainProducts` (bias-free) over joined base layers whose weights are made on demand
-    (`siblings.weights(dtype)`: `Nf4Siblings`, dequantized), made again in backward rather than kept:
-    nothing of the base is kept."""
+    (`siblings.weights(dtype)`: `Nf4Siblings`, dequantized). A step's forward keeps nothing of the
+    base: backward makes the weights again. A forward recomputed under gradient checkpointing runs
+    inside backward, right before the backward of the same product, and hands it the weights it
+    made (`siblings.recomputed`; not as saved tensors, which the recompute must save as the step's
+    forward did): one layer's weights live at a time, made twice a step instead of three times."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, siblings, *adapters: torch.Tensor):
         ctx.siblings = siblings
         ctx.save_for_backward(x, *adapters)
-        outputs = [F.linear(x, w) for w in siblings.weights(x.dtype)]
+        weights = siblings.weights(x.dtype)
+        if ctx.needs_input_grad[0] and torch._C._current_graph_task_id() != -1:  # inside backward
+            siblings.recomputed = weights
+        outputs = [F.linear(x, w) for w in weights]
         return (*outputs, F.linear(x, _cat(adapters)))
 
     @staticmethod
@@ -384,7 +391,10 @@ class _DequantizedProducts(torch.autograd.Function):
         dys, du = grads[:-1], grads[-1]
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = _summed_input_grad(dys, ctx.siblings.weights(dys[0].dtype), du, _cat(adapters))
+            weights, ctx.siblings.recomputed = ctx.siblings.recomputed, None
+            if weights is None or weights[0].dtype != dys[0].dtype:
+                weights = ctx.siblings.weights(dys[0].dtype)
+            dx = _summed_input_grad(dys, weights, du, _cat(adapters))
         return dx, None, *_adapter_grads(du, lambda: x, adapters, ctx.needs_input_grad[2:])
 
 

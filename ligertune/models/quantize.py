@@ -127,13 +127,16 @@ class Nf4Siblings:
     for each layer, in the order of `layers`. The fast LoRA forward multiplies each layer by its own
     rows, the outputs whole (no column slices of a joined output to copy), and in backward sums the
     input's gradient over the group in GEMM epilogues (`lora._DequantizedProducts`), dequantizing
-    again rather than keeping a weight from forward to backward. Each layer alone through
-    bitsandbytes (`MatMul4Bit`, at training sizes) takes two kernels a layer to dequantize, and
-    autograd adds the layers' input gradients up in x's dtype. The stored weights are untouched."""
+    again rather than keeping a weight from a step's forward to its backward; a forward recomputed
+    under gradient checkpointing leaves its weights in `recomputed` for the backward that follows
+    it, which takes them. Each layer alone through bitsandbytes (`MatMul4Bit`, at training sizes)
+    takes two kernels a layer to dequantize, and autograd adds the layers' input gradients up in
+    x's dtype. The stored weights are untouched."""
 
     def __init__(self, layers: list[nn.Module]):
         self.layers = tuple(layers)
         self.sizes = [layer.out_features for layer in layers]
+        self.recomputed: tuple[torch.Tensor, ...] | None = None
         for layer in layers:
             layer.siblings = self
 

@@ -284,6 +284,42 @@ def test_nf4_siblings_dequantize_as_one_with_the_values_of_each(source, tmp_path
 
 
 @needs_bitsandbytes
+def test_a_recomputed_group_keeps_its_dequantized_weights_for_its_backward(monkeypatch):
+    """Under gradient checkpointing each group's weights are dequantized in the step's forward and
+    in its recompute, whose backward, next, takes them from it: twice a step, not three times, with
+    the loss and gradients of the same model without checkpointing, to the bit."""
+    from ligertune.models import quantize
+    from ligertune.models.lora import patch_lora
+    from ligertune.training.build import enable_gradient_checkpointing
+
+    model = lora_over_nf4(torch.float32)
+    checkpointed = copy.deepcopy(model)
+    enable_gradient_checkpointing(checkpointed)
+    calls = []
+    dequantized = quantize.Nf4Siblings.dequantized
+    monkeypatch.setattr(quantize.Nf4Siblings, "dequantized",
+                        lambda self, dtype: calls.append(1) or dequantized(self, dtype))
+    runs = []
+    for each in (model, checkpointed):
+        patch_lora(each)
+        each.train()
+        calls.clear()
+        loss, grads = loss_and_grads(each)
+        runs.append((len(calls), loss, grads))
+        # every recompute's weights taken by its backward: none left held after the step
+        assert all(m.siblings.recomputed is None for m in each.modules() if "siblings" in vars(m))
+    (plain, loss, grads), (recomputed, loss_c, grads_c) = runs
+    layers = TINY["num_hidden_layers"]
+    # Without checkpointing 4 a block forward and backward, but for the first block's q, k and v,
+    # whose input needs no gradient; with it, 4 a block forward and 4 in the recompute.
+    assert (plain, recomputed) == (8 * layers - 1, 8 * layers)
+    assert torch.equal(loss, loss_c)
+    assert grads.keys() == grads_c.keys()
+    for name in grads:
+        assert torch.equal(grads[name], grads_c[name]), name
+
+
+@needs_bitsandbytes
 def test_nf4_siblings_in_bf16_are_as_close_to_float32_as_the_layers_apart():
     """In bf16 a joined input gradient is summed over the group in the GEMM's float32 accumulator,
     where apart each layer's product is rounded and then added in bf16: as close to the same model

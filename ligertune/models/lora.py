@@ -70,6 +70,11 @@ adapters; and, checked at every call, adapters disabled or merged, another adapt
 autocast, extra arguments (peft's `adapter_names`). Groups are formed only for the families of
 `PATCH_TABLE`, whose modeling code is known to call q, k, v (gate, up) on one tensor; elsewhere each
 layer is a group of one, which still keeps no float32 copy of its input.
+
+Under gradient checkpointing a recomputed layer runs for the tensors it keeps for backward; where
+the family's decoder layer only adds the MLP's output to the residual stream
+(`PatchSpec.mlp_output_summed_only`), nothing keeps down_proj's output, and its recompute skips the
+base product (`_SharedInput.base_unneeded_in_recompute`).
 """
 
 from __future__ import annotations
@@ -191,8 +196,12 @@ class _SharedInput:
     until they are asked for with that same x; the last one taken releases x.
     """
 
-    def __init__(self, members: list[tuple[nn.Module, str]]):
+    def __init__(self, members: list[tuple[nn.Module, str]], *, base_unneeded_in_recompute: bool = False):
         self.members = members
+        # A recompute under gradient checkpointing runs this group without its base products
+        # (`patch_lora`: down_proj, where nothing after it keeps the layer's output): its outputs
+        # are then s U_i B_i^T added to uninitialized memory, which nothing reads.
+        self.base_unneeded_in_recompute = base_unneeded_in_recompute
         self._x: torch.Tensor | None = None
         self._version = -1
         self._waiting: list[torch.Tensor | None] = []
@@ -224,13 +233,16 @@ class _SharedInput:
             if siblings.layers != tuple(bases) or not siblings.accepts(x):
                 return None
             if hasattr(siblings, "weights"):  # weights made on demand
-                return lambda: _dequantized_outputs(self.members, siblings, x)
+                return lambda: _dequantized_outputs(self.members, siblings, x, self._base_needed())
             if len({m.scaling[a] for m, a in self.members}) == 1:
-                return lambda: _joined_outputs(self.members, siblings, x)
+                return lambda: _joined_outputs(self.members, siblings, x, self._base_needed())
             return None
         if all(type(b) is nn.Linear and b.weight.dtype == x.dtype and not b.weight.requires_grad for b in bases):
-            return lambda: _plain_outputs(self.members, x)
+            return lambda: _plain_outputs(self.members, x, self._base_needed())
         return None
+
+    def _base_needed(self) -> bool:
+        return not (self.base_unneeded_in_recompute and _recomputing())
 
     def _waiting_for(self, kind: str, index: int, x: torch.Tensor) -> bool:
         return (self._x is x and x._version == self._version and self._kind == kind
@@ -253,7 +265,8 @@ class _SharedInput:
         self._x, self._version, self._waiting, self._kind = None, -1, [], ""
 
 
-def _joined_outputs(members: list[tuple[nn.Module, str]], siblings, x: torch.Tensor) -> list[torch.Tensor]:
+def _joined_outputs(members: list[tuple[nn.Module, str]], siblings, x: torch.Tensor,
+                    base: bool = True) -> list[torch.Tensor]:
     """Every member's y_i = base_i(x) + s U_i B_i^T over joined float8 base layers
     (`Float8Siblings`):
 
@@ -265,8 +278,10 @@ def _joined_outputs(members: list[tuple[nn.Module, str]], siblings, x: torch.Ten
     thin, for one GEMM (and one backward node) where there were several. The parts that
     `siblings.copied` names (v, which attention keeps for its backward) are copied out, so as not to
     keep the others' columns alive with them; q and k are read once, by RoPE, into new tensors, and
-    gate and up are kept by SwiGLU, which writes their gradients over them."""
-    y, u = _JoinedProducts.apply(x.reshape(-1, x.shape[-1]), siblings, *(m.lora_A[a].weight for m, a in members))
+    gate and up are kept by SwiGLU, which writes their gradients over them. Without the `base`
+    product (a recompute that discards the outputs) Y starts uninitialized."""
+    y, u = _JoinedProducts.apply(x.reshape(-1, x.shape[-1]), siblings, base,
+                                 *(m.lora_A[a].weight for m, a in members))
     blocks = torch.block_diag(*(m.lora_B[a].weight for m, a in members))
     first, adapter = members[0]
     y.addmm_(u, blocks.t(), alpha=first.scaling[adapter])
@@ -282,11 +297,12 @@ class _JoinedProducts(torch.autograd.Function):
     (`_SharedInput._outputs`)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, siblings, *weights: torch.Tensor):
+    def forward(ctx, x: torch.Tensor, siblings, base: bool, *weights: torch.Tensor):
         a = _cat(weights)
         ctx.siblings = siblings
         ctx.save_for_backward(x, *weights)
-        return siblings.product(x), F.linear(x, a)
+        y = siblings.product(x) if base else x.new_empty(x.shape[0], sum(siblings.sizes))
+        return y, F.linear(x, a)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor, du: torch.Tensor):
@@ -295,31 +311,32 @@ class _JoinedProducts(torch.autograd.Function):
         dx = None
         if ctx.needs_input_grad[0]:
             dx = ctx.siblings.input_grad(dy).addmm_(du, a)
-        return dx, None, *_adapter_grads(du, lambda: x, weights, ctx.needs_input_grad[2:])
+        return dx, None, None, *_adapter_grads(du, lambda: x, weights, ctx.needs_input_grad[3:])
 
 
-def _plain_outputs(members: list[tuple[nn.Module, str]], x: torch.Tensor) -> list[torch.Tensor]:
+def _plain_outputs(members: list[tuple[nn.Module, str]], x: torch.Tensor, base: bool = True) -> list[torch.Tensor]:
     """Every member's y_i = base_i(x) + s_i U_i B_i^T over plain frozen `nn.Linear` base layers:
 
         y_i, U = x W_i^T + b_i, x cat(A_i)^T        one GEMM each (`_PlainProducts`)
         y_i += s_i U_i B_i^T                        in place, one GEMM each
 
     the base products and U from one autograd node, whose backward sums the gradient of x over
-    them in GEMMs."""
+    them in GEMMs; without the `base` products (a recompute that discards the outputs) each y_i
+    starts uninitialized."""
     bases = [m.base_layer for m, _ in members]
     biases = [b.bias for b in bases if b.bias is not None]
     adapters = [m.lora_A[a].weight for m, a in members]
-    *outputs, u = _PlainProducts.apply(x.reshape(-1, x.shape[-1]), [b.bias is not None for b in bases],
+    *outputs, u = _PlainProducts.apply(x.reshape(-1, x.shape[-1]), [b.bias is not None for b in bases], base,
                                        *(b.weight for b in bases), *biases, *adapters)
     return _add_adapters(members, outputs, u)
 
 
 def _dequantized_outputs(members: list[tuple[nn.Module, str]], siblings,
-                         x: torch.Tensor) -> list[torch.Tensor]:
+                         x: torch.Tensor, base: bool = True) -> list[torch.Tensor]:
     """Every member's y_i = base_i(x) + s_i U_i B_i^T over joined base layers whose weights are
     made on demand (`Nf4Siblings.weights`), as `_plain_outputs` computes them over plain layers
     (`_DequantizedProducts`)."""
-    *outputs, u = _DequantizedProducts.apply(x.reshape(-1, x.shape[-1]), siblings,
+    *outputs, u = _DequantizedProducts.apply(x.reshape(-1, x.shape[-1]), siblings, base,
                                              *(m.lora_A[a].weight for m, a in members))
     return _add_adapters(members, outputs, u)
 
@@ -346,14 +363,17 @@ class _PlainProducts(torch.autograd.Function):
     weights (as `F.linear` does) and A. The adapters have x's dtype."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, has_bias: list[bool], *tensors: torch.Tensor):
+    def forward(ctx, x: torch.Tensor, has_bias: list[bool], base: bool, *tensors: torch.Tensor):
         k = len(has_bias)
         weights, rest = tensors[:k], tensors[k:]
         biases = iter(rest[: sum(has_bias)])
         adapters = rest[sum(has_bias):]
         ctx.k = k
         ctx.save_for_backward(x, *weights, *adapters)
-        outputs = [F.linear(x, w, next(biases) if bias else None) for w, bias in zip(weights, has_bias)]
+        if base:
+            outputs = [F.linear(x, w, next(biases) if bias else None) for w, bias in zip(weights, has_bias)]
+        else:
+            outputs = [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
         return (*outputs, F.linear(x, _cat(adapters)))
 
     @staticmethod
@@ -362,9 +382,9 @@ class _PlainProducts(torch.autograd.Function):
         weights, adapters = saved[: ctx.k], saved[ctx.k:]
         dys, du = grads[: ctx.k], grads[ctx.k]
         dx = _summed_input_grad(dys, weights, du, _cat(adapters)) if ctx.needs_input_grad[0] else None
-        n_frozen = len(ctx.needs_input_grad) - 2 - len(adapters)
-        return (dx, None, *([None] * n_frozen),
-                *_adapter_grads(du, lambda: x, adapters, ctx.needs_input_grad[2 + n_frozen:]))
+        n_frozen = len(ctx.needs_input_grad) - 3 - len(adapters)
+        return (dx, None, None, *([None] * n_frozen),
+                *_adapter_grads(du, lambda: x, adapters, ctx.needs_input_grad[3 + n_frozen:]))
 
 
 class _DequantizedProducts(torch.autograd.Function):
@@ -376,13 +396,16 @@ class _DequantizedProducts(torch.autograd.Function):
     forward did): one layer's weights live at a time, made twice a step instead of three times."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, siblings, *adapters: torch.Tensor):
+    def forward(ctx, x: torch.Tensor, siblings, base: bool, *adapters: torch.Tensor):
         ctx.siblings = siblings
         ctx.save_for_backward(x, *adapters)
-        weights = siblings.weights(x.dtype)
-        if ctx.needs_input_grad[0] and torch._C._current_graph_task_id() != -1:  # inside backward
-            siblings.recomputed = weights
-        outputs = [F.linear(x, w) for w in weights]
+        if base:
+            weights = siblings.weights(x.dtype)
+            if ctx.needs_input_grad[0] and _recomputing():
+                siblings.recomputed = weights
+            outputs = [F.linear(x, w) for w in weights]
+        else:
+            outputs = [x.new_empty(x.shape[0], n) for n in siblings.sizes]
         return (*outputs, F.linear(x, _cat(adapters)))
 
     @staticmethod
@@ -395,7 +418,13 @@ class _DequantizedProducts(torch.autograd.Function):
             if weights is None or weights[0].dtype != dys[0].dtype:
                 weights = ctx.siblings.weights(dys[0].dtype)
             dx = _summed_input_grad(dys, weights, du, _cat(adapters))
-        return dx, None, *_adapter_grads(du, lambda: x, adapters, ctx.needs_input_grad[2:])
+        return dx, None, None, *_adapter_grads(du, lambda: x, adapters, ctx.needs_input_grad[3:])
+
+
+def _recomputing() -> bool:
+    """Whether this forward runs inside backward: gradient checkpointing's recompute of a layer,
+    for the tensors the layer keeps for its backward, which comes next."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class _SplitColumns(torch.autograd.Function):
@@ -515,7 +544,8 @@ def patch_lora(model: nn.Module) -> LoraPatchReport:
     layer_types = _lora_linear_types()
     unpatch_lora(model)
     base = unwrap_model(model)
-    share = getattr(getattr(base, "config", None), "model_type", None) in PATCH_TABLE
+    spec = PATCH_TABLE.get(getattr(getattr(base, "config", None), "model_type", None))
+    share = spec is not None
     report = LoraPatchReport()
     ready: dict[str, tuple[nn.Module, str]] = {}
     for name, module in base.named_modules():
@@ -541,8 +571,12 @@ def patch_lora(model: nn.Module) -> LoraPatchReport:
             grouped.update(siblings)
     groups += [[ready[n]] for n in ready if n not in grouped]
 
+    # down_proj's output, in a family whose layers only add it to the residual stream, is discarded
+    # by a recompute (which is run for the tensors the layer keeps for backward, none after it).
+    unneeded = {id(module) for name, (module, _) in ready.items()
+                if share and spec.mlp_output_summed_only and name.rpartition(".")[2] == "down_proj"}
     for members in groups:
-        group = _SharedInput(members)
+        group = _SharedInput(members, base_unneeded_in_recompute=all(id(m) in unneeded for m, _ in members))
         for index, (module, adapter) in enumerate(members):
             module.forward = functools.partial(_fast_lora_forward, module, group=group, index=index,
                                                adapter=adapter, cast_before_sum=layer_types[type(module)])

@@ -60,6 +60,10 @@ class PatchSpec:
     """Config attribute naming that MLP's activation."""
     rope: str | None = "apply_rotary_pos_emb"
     """Module-level function applying the rotary embedding to q and k, as `apply_rope` does."""
+    mlp_output_summed_only: bool = True
+    """The decoder layer adds the MLP's output to the residual stream and does nothing else with it
+    (no norm after the MLP, as Gemma 2 and 3 have): a recomputed layer's last product, down_proj's,
+    is needed by nothing (`lora`: its base product is skipped in the recompute)."""
 
 
 def _spec(family: str, prefix: str, **kwargs: Any) -> PatchSpec:
@@ -77,8 +81,10 @@ PATCH_TABLE: Mapping[str, PatchSpec] = MappingProxyType({
     "qwen2": _spec("qwen2", "Qwen2"),
     "qwen3": _spec("qwen3", "Qwen3"),
     "gemma": _spec("gemma", "Gemma", norm_eps="eps", norm_offset=1.0),
-    "gemma2": _spec("gemma2", "Gemma2", norm_eps="eps", norm_offset=1.0, activation="hidden_activation"),
-    "gemma3_text": _spec("gemma3", "Gemma3", norm_eps="eps", norm_offset=1.0, activation="hidden_activation"),
+    "gemma2": _spec("gemma2", "Gemma2", norm_eps="eps", norm_offset=1.0, activation="hidden_activation",
+                    mlp_output_summed_only=False),
+    "gemma3_text": _spec("gemma3", "Gemma3", norm_eps="eps", norm_offset=1.0, activation="hidden_activation",
+                         mlp_output_summed_only=False),
 })
 """`config.model_type` -> `PatchSpec`, the one table of supported families."""
 

@@ -387,6 +387,69 @@ def test_gradient_checkpointing_recomputes_the_shared_products():
                 logits_loss_grads(model, ids, targets, embeds=True), "fp32")
 
 
+class _DownProducts(TorchDispatchMode):
+    """The GEMMs of down_proj's base product, x W^T: [T, intermediate] x [intermediate, hidden], W^T
+    a transposed view (where gate's and up's input gradient, of the same shapes, multiply W itself)."""
+
+    def __init__(self, intermediate: int, hidden: int):
+        super().__init__()
+        self.shape, self.count = (intermediate, hidden), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in GEMMS:
+            b = args[-1]
+            self.count += tuple(b.shape) == self.shape and b.stride() == (1, self.shape[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family, base, skipped", [
+    ("llama", "plain", True),
+    ("qwen3", "plain", True),
+    pytest.param("llama", "nf4", True, marks=NEEDS_BITSANDBYTES),
+    ("llama", "float8", True),
+    ("llama", "mlp-chunks", True),  # the SwiGLU kernel's MLP in chunks, each recomputed inside the layer's
+    ("gemma2", "plain", False),  # its MLP's output is normed after: a recompute keeps it
+])
+def test_a_recompute_skips_the_base_product_nothing_needs(family, base, skipped):
+    """Under gradient checkpointing a recomputed layer runs for the tensors it keeps for backward;
+    in families whose layers only add the MLP's output to the residual stream, down_proj's base
+    product is needed by none of them, and the recompute skips it: once a step instead of twice,
+    with the loss and gradients of the same model without checkpointing, bit for bit."""
+    from ligertune.models.patching import patch_model
+
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    from ligertune.models.float8 import freeze_to_float8
+
+    model = make_model(family, attention="eager" if family == "gemma2" else "sdpa")
+    if base == "nf4":
+        quantize_linears(model, "nf4", torch.float32)
+    if base == "mlp-chunks":  # 39 tokens in chunks of 16
+        patch_model(model, rms_norm=False, rope=False, mlp_chunk_tokens=16)
+    model = peft.get_peft_model(model, lora)
+    if base == "float8":  # the frozen base layers, each in float8
+        assert freeze_to_float8(model) == 7 * model.config.num_hidden_layers
+    perturb_adapters(model)
+    checkpointed = copy.deepcopy(model)
+    enable_gradient_checkpointing(checkpointed)
+    ids, targets = token_batch()
+    config = model.config
+    runs = []
+    for each in (model, checkpointed):
+        patch_lora(each)
+        each.train()
+        with _DownProducts(config.intermediate_size, config.hidden_size) as products:
+            values = logits_loss_grads(each, ids, targets, embeds=True)
+        runs.append((products.count, values))
+    (plain, (logits, loss, grads)), (recomputed, (logits_c, loss_c, grads_c)) = runs
+    products = config.num_hidden_layers * (3 if base == "mlp-chunks" else 1)  # a layer's, in the step's forward
+    # (the chunks are recomputed in either model, the recompute of the layer running their forward)
+    assert (plain, recomputed) == (products, products) if skipped else (products, 2 * products)
+    assert torch.equal(logits, logits_c) and torch.equal(loss, loss_c)
+    assert grads.keys() == grads_c.keys()
+    for name in grads:
+        assert torch.equal(grads[name], grads_c[name]), name
+
+
 def test_through_build_model_with_the_kernels_patched():
     """`ligertune train`'s model: patched RMSNorm/RoPE/SwiGLU (SwiGLU's backward writes over the gate
     and up outputs, which are the fast path's outputs) and `kernels.lora` on, against it off."""

@@ -88,7 +88,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ligertune.models.patching import PATCH_TABLE
+from ligertune.models.patching import PATCH_TABLE, recomputing
 from ligertune.models.unwrap import unwrap_model
 
 SHARED_INPUTS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -242,7 +242,7 @@ class _SharedInput:
         return None
 
     def _base_needed(self) -> bool:
-        return not (self.base_unneeded_in_recompute and _recomputing())
+        return not (self.base_unneeded_in_recompute and recomputing())
 
     def _waiting_for(self, kind: str, index: int, x: torch.Tensor) -> bool:
         return (self._x is x and x._version == self._version and self._kind == kind
@@ -401,7 +401,7 @@ class _DequantizedProducts(torch.autograd.Function):
         ctx.save_for_backward(x, *adapters)
         if base:
             weights = siblings.weights(x.dtype)
-            if ctx.needs_input_grad[0] and _recomputing():
+            if ctx.needs_input_grad[0] and recomputing():
                 siblings.recomputed = weights
             outputs = [F.linear(x, w) for w in weights]
         else:
@@ -419,12 +419,6 @@ class _DequantizedProducts(torch.autograd.Function):
                 weights = ctx.siblings.weights(dys[0].dtype)
             dx = _summed_input_grad(dys, weights, du, _cat(adapters))
         return dx, None, None, *_adapter_grads(du, lambda: x, adapters, ctx.needs_input_grad[3:])
-
-
-def _recomputing() -> bool:
-    """Whether this forward runs inside backward: gradient checkpointing's recompute of a layer,
-    for the tensors the layer keeps for its backward, which comes next."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class _SplitColumns(torch.autograd.Function):

@@ -12,7 +12,10 @@ file correspond to which kernel; `patch_model` applies any row of it and `unpatc
   its input, not the three [tokens, intermediate_size] products (gate, up, their SwiGLU), and what
   runs at once is one chunk's. At long context those products are a decoder layer's largest
   tensors (at 131,072 tokens of Llama-3.1-8B, 3.5 GiB each); the price is one more forward of the
-  MLP in backward.
+  MLP in backward. In the families whose decoder layers only add the MLP's output to the residual
+  stream (`PatchSpec.mlp_output_summed_only`), a plain down_proj is multiplied by
+  `_ProductSkippedInRecompute`: F.linear's values and gradients, the product skipped when a
+  gradient checkpointing recompute runs it (nothing the layer keeps for backward reads it).
 - RoPE: the attention modules call their modeling file's module-level `apply_rotary_pos_emb`, so
   that function is replaced in the modeling module by a redirect to `ligertune.kernels.apply_rope`.
   This one is per family, not per model: while any patched model of a family is alive, every model
@@ -35,6 +38,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -161,7 +165,8 @@ def patch_model(
             mlp_class = getattr(modeling, spec.mlp)
             for module in base.modules():
                 if isinstance(module, mlp_class):
-                    _set_forward(module, _swiglu_forward, chunk_tokens=mlp_chunk_tokens)
+                    _set_forward(module, _swiglu_forward, chunk_tokens=mlp_chunk_tokens,
+                                 last_unneeded_in_recompute=spec.mlp_output_summed_only)
                     report.swiglu += 1
             if mlp_chunk_tokens is not None and report.swiglu:
                 report.notes.append(f"MLPs in chunks of {mlp_chunk_tokens} tokens")
@@ -218,15 +223,17 @@ def _rms_norm_forward(module: nn.Module, x: torch.Tensor, *, eps_attr: str, offs
     return kernels.rms_norm(x, module.weight, getattr(module, eps_attr), offset)
 
 
-def _swiglu_forward(module: nn.Module, x: torch.Tensor, *, chunk_tokens: int | None = None) -> torch.Tensor:
+def _swiglu_forward(module: nn.Module, x: torch.Tensor, *, chunk_tokens: int | None = None,
+                    last_unneeded_in_recompute: bool = False) -> torch.Tensor:
+    swiglu = functools.partial(_swiglu, last_unneeded_in_recompute=last_unneeded_in_recompute)
     tokens = x.shape[:-1].numel()
     if chunk_tokens is None or tokens <= chunk_tokens:
-        return _swiglu(module, x)
+        return swiglu(module, x)
     if torch.is_grad_enabled():
         chunks = _KeptForRecompute.apply(x.reshape(tokens, x.shape[-1])).split(chunk_tokens)
-        outputs = [checkpoint(_swiglu, module, chunk, use_reentrant=False) for chunk in chunks]
+        outputs = [checkpoint(swiglu, module, chunk, use_reentrant=False) for chunk in chunks]
     else:
-        outputs = [_swiglu(module, chunk) for chunk in x.reshape(tokens, x.shape[-1]).split(chunk_tokens)]
+        outputs = [swiglu(module, chunk) for chunk in x.reshape(tokens, x.shape[-1]).split(chunk_tokens)]
     return torch.cat(outputs).reshape(*x.shape[:-1], -1)
 
 
@@ -245,9 +252,44 @@ class _KeptForRecompute(torch.autograd.Function):
         return grad
 
 
-def _swiglu(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _swiglu(module: nn.Module, x: torch.Tensor, *, last_unneeded_in_recompute: bool = False) -> torch.Tensor:
     # gate and up exist for this product alone: their memory can take their gradients.
-    return module.down_proj(kernels.swiglu(module.gate_proj(x), module.up_proj(x), reuse_inputs=True))
+    h = kernels.swiglu(module.gate_proj(x), module.up_proj(x), reuse_inputs=True)
+    down = module.down_proj
+    if (last_unneeded_in_recompute and type(down) is nn.Linear and torch.is_grad_enabled()
+            and not torch.is_autocast_enabled(h.device.type)):
+        return _ProductSkippedInRecompute.apply(h, down.weight, down.bias)
+    return down(h)
+
+
+def recomputing() -> bool:
+    """Whether this forward runs inside backward: gradient checkpointing's recompute of a layer,
+    for the tensors the layer keeps for its backward, which comes next."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _ProductSkippedInRecompute(torch.autograd.Function):
+    """F.linear(h, W, b) for the last product of a decoder layer whose output nothing the layer
+    keeps for backward reads (`PatchSpec.mlp_output_summed_only`): F.linear's values, and its
+    gradients by the GEMMs autograd runs for it, keeping what it keeps (h where W trains, W where h
+    does); a recompute gets an uninitialized output instead of the product."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(h if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None)
+        ctx.shape = h.shape
+        if recomputing():
+            return h.new_empty(*h.shape[:-1], weight.shape[0])
+        return F.linear(h, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        h, weight = ctx.saved_tensors
+        dy = dy.reshape(-1, dy.shape[-1])
+        dh = (dy @ weight).view(ctx.shape) if weight is not None else None
+        dw = dy.t() @ h.reshape(-1, h.shape[-1]) if h is not None else None
+        db = dy.sum(0) if ctx.needs_input_grad[2] else None
+        return dh, dw, db
 
 
 _PATCHED_FORWARDS = (_rms_norm_forward, _swiglu_forward)

@@ -14,7 +14,7 @@ import peft
 import pytest
 import torch
 import torch.nn.functional as F
-from counting import Additions
+from counting import Additions, DownProducts
 from rich.console import Console
 from tiny_models import FAMILIES, make_model
 from tiny_recipe import write_recipe
@@ -387,21 +387,6 @@ def test_gradient_checkpointing_recomputes_the_shared_products():
                 logits_loss_grads(model, ids, targets, embeds=True), "fp32")
 
 
-class _DownProducts(TorchDispatchMode):
-    """The GEMMs of down_proj's base product, x W^T: [T, intermediate] x [intermediate, hidden], W^T
-    a transposed view (where gate's and up's input gradient, of the same shapes, multiply W itself)."""
-
-    def __init__(self, intermediate: int, hidden: int):
-        super().__init__()
-        self.shape, self.count = (intermediate, hidden), 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in GEMMS:
-            b = args[-1]
-            self.count += tuple(b.shape) == self.shape and b.stride() == (1, self.shape[0])
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("family, base, skipped", [
     ("llama", "plain", True),
     ("qwen3", "plain", True),
@@ -437,7 +422,7 @@ def test_a_recompute_skips_the_base_product_nothing_needs(family, base, skipped)
     for each in (model, checkpointed):
         patch_lora(each)
         each.train()
-        with _DownProducts(config.intermediate_size, config.hidden_size) as products:
+        with DownProducts(config.intermediate_size, config.hidden_size) as products:
             values = logits_loss_grads(each, ids, targets, embeds=True)
         runs.append((products.count, values))
     (plain, (logits, loss, grads)), (recomputed, (logits_c, loss_c, grads_c)) = runs

@@ -17,8 +17,8 @@ import peft
 import pytest
 import torch
 import torch.nn.functional as F
+from counting import DownProducts
 from tiny_models import FAMILIES, SWIGLU_FAMILIES, make_model
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ligertune import kernels
 from ligertune.models import (
@@ -104,21 +104,6 @@ def test_patched_model_equals_unpatched(family, packed_batch, kernel_calls):
         unpatch_model(model)
 
 
-class _DownProducts(TorchDispatchMode):
-    """The GEMMs of down_proj's product, h W^T: [T, intermediate] x [intermediate, hidden], W^T a
-    transposed view (where gate's and up's input gradient, of the same shapes, multiply W itself)."""
-
-    def __init__(self, intermediate: int, hidden: int):
-        super().__init__()
-        self.shape, self.count = (intermediate, hidden), 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
-            b = args[-1]
-            self.count += tuple(b.shape) == self.shape and b.stride() == (1, self.shape[0])
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("family, fields", [("llama", {}), ("llama", {"mlp_bias": True}), ("qwen2", {})],
                          ids=["llama", "llama-mlp-bias", "qwen2"])
 def test_a_recompute_skips_the_full_models_last_product(family, fields, packed_batch):
@@ -136,7 +121,7 @@ def test_a_recompute_skips_the_full_models_last_product(family, fields, packed_b
             enable_gradient_checkpointing(model)
         model.train()
         config = model.config
-        with _DownProducts(config.intermediate_size, config.hidden_size) as products:
+        with DownProducts(config.intermediate_size, config.hidden_size) as products:
             values = hf_loss_and_grads(model, packed_batch)
         runs.append((products.count, *values))
     (plain, logits, loss, grads), (recomputed, logits_c, loss_c, grads_c) = runs

@@ -294,7 +294,8 @@ class _JoinedProducts(torch.autograd.Function):
     gradients of x as one: the base's (`siblings.input_grad`), then dU cat(A) added in that GEMM's
     epilogue (`addmm_`), where two autograd nodes would each write one and a third pass add them.
     Keeps x (as `shared_lora_a` does) and A; the base keeps nothing. The adapters have x's dtype
-    (`_SharedInput._outputs`)."""
+    (`_SharedInput._outputs`). Without `base` (a recompute whose outputs nothing reads) Y is left
+    uninitialized."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, siblings, base: bool, *weights: torch.Tensor):
@@ -360,7 +361,8 @@ def _summed_input_grad(dys, weights, du: torch.Tensor, a: torch.Tensor) -> torch
 class _PlainProducts(torch.autograd.Function):
     """(y_1, ..., y_k, U) = (x W_1^T + b_1, ..., x cat(A)^T) for a 2-D x and frozen weights W_i, and
     in backward the gradient of x over all of them as one (`_summed_input_grad`). Keeps x, the
-    weights (as `F.linear` does) and A. The adapters have x's dtype."""
+    weights (as `F.linear` does) and A. The adapters have x's dtype. Without `base` (a recompute
+    whose outputs nothing reads) the y_i are left uninitialized."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, has_bias: list[bool], base: bool, *tensors: torch.Tensor):
@@ -393,7 +395,9 @@ class _DequantizedProducts(torch.autograd.Function):
     base: backward makes the weights again. A forward recomputed under gradient checkpointing runs
     inside backward, right before the backward of the same product, and hands it the weights it
     made (`siblings.recomputed`; not as saved tensors, which the recompute must save as the step's
-    forward did): one layer's weights live at a time, made twice a step instead of three times."""
+    forward did): one layer's weights live at a time, made twice a step instead of three times.
+    Without `base` (a recompute whose outputs nothing reads) no weight is made and the outputs are
+    left uninitialized."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, siblings, base: bool, *adapters: torch.Tensor):

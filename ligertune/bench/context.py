@@ -34,9 +34,11 @@ OUT_OF_MEMORY = "out of memory"
 
 
 def run_max_context(recipe: Recipe, config: StepBenchConfig, limit: int, *, recipe_name: str = "",
-                    log: Callable[[str], None] = lambda _: None) -> StepReport:
+                    log: Callable[[str], None] = lambda _: None,
+                    on_probe: Callable[[StepReport], None] = lambda _: None) -> StepReport:
     """Probe the recipe's step at longer and longer single conversations (module docstring); the
-    report's `context` holds the limit, the longest length that trained and its tokens/s."""
+    report's `context` holds the limit, the longest length that trained and its tokens/s.
+    `on_probe(report)` after each probe, with the probes so far (`context` None until the end)."""
     if recipe.objective.name != "sft":
         raise UserError(f"--max-context: probes supervised fine-tuning steps; the recipe's objective is "
                         f"{recipe.objective.name}")
@@ -58,6 +60,7 @@ def run_max_context(recipe: Recipe, config: StepBenchConfig, limit: int, *, reci
         row.layout, row.tokens = "context", tokens  # a failed row has no count of its own
         rows[tokens] = row
         log(f"context: {tokens:,} tokens {probe_outcome(row)}")
+        on_probe(report)
         if row.status == "ok":
             return True
         if row.detail == OUT_OF_MEMORY:

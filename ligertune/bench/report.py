@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -120,9 +121,12 @@ def _escape(text: str) -> str:
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write `data` as indented JSON; non-finite floats become null, so every JSON reader accepts the file."""
+    """Write `data` as indented JSON; non-finite floats become null, so every JSON reader accepts the
+    file. The file is replaced whole (written beside it, then renamed): never half written."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_finite(data), indent=2) + "\n", encoding="utf-8")
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(_finite(data), indent=2) + "\n", encoding="utf-8")
+    os.replace(partial, path)
 
 
 def _finite(value: Any) -> Any:

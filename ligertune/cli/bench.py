@@ -246,7 +246,11 @@ def step(
         capped = run_memory_caps(loaded, config, caps, recipe_name=str(recipe), log=log)
         report = capped.step
     elif max_context is not None:
-        report = run_max_context(loaded, config, max_context, recipe_name=str(recipe), log=log)
+        def save(so_far) -> None:  # a probe takes minutes: the probes so far, whatever stops the search
+            if json_file is not None:
+                write_json(json_file, so_far.to_dict())
+
+        report = run_max_context(loaded, config, max_context, recipe_name=str(recipe), log=log, on_probe=save)
     else:
         report = run_step_bench(loaded, config, recipe_name=str(recipe), log=log)
     for line in step_header(report):

@@ -81,6 +81,27 @@ def test_max_context_probes_one_conversation_a_step_until_memory_runs_out(recipe
     assert re.search(r"context: 128 tokens trained: [\d,]+ tokens/s \(every layer\)", result.output), result.output
 
 
+def test_a_search_stopped_midway_leaves_the_probes_so_far(recipe_file, tmp_path, monkeypatch, no_peers):  # noqa: F811
+    """Each probe takes minutes on a GPU: the JSON is rewritten after each, so a search stopped by
+    the user (here at the third probe) leaves the probes that ended."""
+    step, seen = training_step.train_step, []
+
+    def train_step(run, batches):
+        seen.append(sum(b.num_tokens for b in batches))
+        if len(set(seen)) == 3:
+            raise KeyboardInterrupt
+        return step(run, batches)
+
+    monkeypatch.setattr(training_step, "train_step", train_step)
+    out = tmp_path / "context.json"
+    result = CliRunner().invoke(app, ["step", str(recipe_file), "--max-context", "4096", "--json", str(out)])
+    assert isinstance(result.exception, KeyboardInterrupt) or result.exit_code != 0, result.output
+    data = json.loads(out.read_text())
+    assert [(r["tokens"], r["status"]) for r in data["rows"]] == [(48, "ok"), (96, "ok")]
+    assert data["context"] is None  # the search did not end
+    assert not list(tmp_path.glob(".context.json*"))  # nothing half written beside it
+
+
 def test_a_failure_other_than_memory_ends_the_search(recipe_file, tmp_path, monkeypatch, no_peers):  # noqa: F811
     def broken(run, batches):
         raise RuntimeError("a bug, not memory")

@@ -400,11 +400,10 @@ def test_a_recompute_skips_the_base_product_nothing_needs(family, base, skipped)
     in families whose layers only add the MLP's output to the residual stream, down_proj's base
     product is needed by none of them, and the recompute skips it: once a step instead of twice,
     with the loss and gradients of the same model without checkpointing, bit for bit."""
+    from ligertune.models.float8 import freeze_to_float8
     from ligertune.models.patching import patch_model
 
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
-    from ligertune.models.float8 import freeze_to_float8
-
     model = make_model(family, attention="eager" if family == "gemma2" else "sdpa")
     if base == "nf4":
         quantize_linears(model, "nf4", torch.float32)
@@ -428,7 +427,7 @@ def test_a_recompute_skips_the_base_product_nothing_needs(family, base, skipped)
     (plain, (logits, loss, grads)), (recomputed, (logits_c, loss_c, grads_c)) = runs
     products = config.num_hidden_layers * (3 if base == "mlp-chunks" else 1)  # a layer's, in the step's forward
     # (the chunks are recomputed in either model, the recompute of the layer running their forward)
-    assert (plain, recomputed) == (products, products) if skipped else (products, 2 * products)
+    assert (plain, recomputed) == ((products, products) if skipped else (products, 2 * products))
     assert torch.equal(logits, logits_c) and torch.equal(loss, loss_c)
     assert grads.keys() == grads_c.keys()
     for name in grads:

@@ -67,8 +67,9 @@ def release_memory(device: torch.device | str) -> None:
 def device_memory_bytes(device: torch.device) -> int:
     """What this process may take of the CUDA device's memory: all of it, or the part
     `cap_device_memory` left it."""
-    fraction = torch.cuda.get_per_process_memory_fraction(device)
-    return int(torch.cuda.get_device_properties(device).total_memory * fraction)
+    index = _cuda_index(device)
+    fraction = torch.cuda.get_per_process_memory_fraction(index)
+    return int(torch.cuda.get_device_properties(index).total_memory * fraction)
 
 
 def cap_device_memory(device: torch.device, gib: float, *, option: str = "--device-memory") -> None:
@@ -76,10 +77,17 @@ def cap_device_memory(device: torch.device, gib: float, *, option: str = "--devi
     size would (the CUDA context, outside the allocator, comes on top)."""
     if device.type != "cuda":
         raise UserError(f"{option}: caps a CUDA device's memory; the device here is {device.type}")
-    total = torch.cuda.get_device_properties(device).total_memory
+    index = _cuda_index(device)
+    total = torch.cuda.get_device_properties(index).total_memory
     if not 0 < gib * 2**30 <= total:
         raise UserError(f"{option} {gib:g}: must be above 0 and at most this device's {total / 2**30:.1f} GiB")
-    torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total, device)
+    torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total, index)
+
+
+def _cuda_index(device: torch.device) -> int:
+    """The index of a CUDA device, `cuda` alone naming the current one (torch's memory-fraction
+    calls take only an index)."""
+    return torch.cuda.current_device() if device.index is None else device.index
 
 
 def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:

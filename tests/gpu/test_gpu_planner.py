@@ -64,3 +64,18 @@ def test_the_plan_for_a_budget_fits_it_at_long_context(tmp_path, tokens):
         assert 0 < recomputed < LAYERS
         assert peak <= budget, f"the plan for {budget:.2f} GiB peaked at {peak:.2f}"
         assert peak <= 1.05 * predicted, f"predicted {predicted:.2f} GiB, measured {peak:.2f}"
+
+
+def test_the_device_memory_cap_applies_to_cuda_without_an_index():
+    """`bench step --device-memory` on `device: auto`/`cuda`: the cap lands on the current device, and
+    the planner's default budget reads it back."""
+    import torch
+
+    from ligertune.devices import cap_device_memory, device_memory_bytes
+
+    device = torch.device("cuda")
+    try:
+        cap_device_memory(device, 8)
+        assert device_memory_bytes(device) == pytest.approx(8 * 2**30, rel=1e-6)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())

@@ -264,18 +264,40 @@ def test_auto_on_a_cpu_recomputes_nothing(tmp_path: Path):
         cleanup(run)
 
 
-def test_the_default_budget_is_of_what_the_process_may_take(monkeypatch):
-    """With `bench step --device-memory` capping the allocator, the plan is made for the capped
-    card, not for the whole device."""
+def _cuda_of(monkeypatch, total_gib: float, fraction: float) -> dict:
+    """torch.cuda's memory queries for one device of `total_gib` GiB of which the process may take
+    `fraction`; like torch's own, they take a device index, not `cuda` alone. Returns the fraction
+    set, by index."""
     from types import SimpleNamespace
 
+    fractions = {0: fraction}
+
+    def index(device):
+        if not isinstance(device, int):
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+        return device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: SimpleNamespace(total_memory=int(total_gib * GIB)) if index(d) == 0 else None)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d: fractions[index(d)])
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda f, d: fractions.__setitem__(index(d), f))
+    return fractions
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_the_default_budget_is_of_what_the_process_may_take(monkeypatch, device):
+    """With `bench step --device-memory` capping the allocator, the plan is made for the capped
+    card, not for the whole device."""
+    from ligertune.devices import cap_device_memory
     from ligertune.training.memory import default_budget_gib
 
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: SimpleNamespace(total_memory=140 * GIB))
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)
-    assert default_budget_gib(torch.device("cuda")) == pytest.approx(0.9 * 140)
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 0.5)
-    assert default_budget_gib(torch.device("cuda")) == pytest.approx(0.9 * 70)
+    fractions = _cuda_of(monkeypatch, 140, 1.0)
+    assert default_budget_gib(torch.device(device)) == pytest.approx(0.9 * 140)
+    cap_device_memory(torch.device(device), 70)
+    assert fractions[0] == pytest.approx(0.5)
+    assert default_budget_gib(torch.device(device)) == pytest.approx(0.9 * 70)
 
 
 def test_a_budget_without_auto_is_refused(tmp_path: Path):

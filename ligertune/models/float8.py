@@ -44,6 +44,7 @@ from torch import nn
 from ligertune.errors import UserError
 from ligertune.kernels import quantize_rows, transpose_float8
 from ligertune.models.lora import _cat, join_base_layers
+from ligertune.models.patching import recomputing
 from ligertune.quiet import quiet_optional_libraries
 
 EXTRA = "fp8"
@@ -146,13 +147,13 @@ class _InputCast:
 _cast_input = _InputCast()
 
 
-def _float8_product(x: torch.Tensor, layer: Float8FrozenLinear | Float8Siblings) -> torch.Tensor:
+def _float8_product(x: torch.Tensor, layer: Float8FrozenLinear | Float8Siblings | _Float8Weight) -> torch.Tensor:
     """x W^T for a 2-D x over the layer's float8 weight: x cast with a scale per token."""
     q, scale = _cast_input(x)
     return _scaled_matmul(q, layer.weight.t(), scale[:, None], layer.weight_scale[None, :], x.dtype)
 
 
-def _float8_input_grad(dy: torch.Tensor, layer: Float8FrozenLinear | Float8Siblings,
+def _float8_input_grad(dy: torch.Tensor, layer: Float8FrozenLinear | Float8Siblings | _Float8Weight,
                        dtype: torch.dtype) -> torch.Tensor:
     """dy W in `dtype`: W's channel scales folded into dy before its cast."""
     q, scale = quantize_rows(dy, layer.weight_scale)
@@ -235,6 +236,84 @@ class Float8FrozenLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+@dataclasses.dataclass
+class _Float8Weight:
+    """A weight cast to float8 for one use: e4m3 values, a scale per output channel, and the unit
+    scales of the input-gradient GEMM (the channel scales folded into dy instead)."""
+
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+    unit_scale: torch.Tensor
+
+
+class _TrainedFloat8Matmul(torch.autograd.Function):
+    """y = x W^T for a weight that trains (`Float8TrainedLinear`): the product and the gradient of x
+    as float8 GEMMs, W cast at each (it changes every step); the gradient of W, dy^T x, in W's own
+    dtype from x as it came. `unneeded_in_recompute`: a recompute gets an uninitialized output
+    instead of the product (as `patching._ProductSkippedInRecompute`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, layer: Float8TrainedLinear,
+                unneeded_in_recompute: bool) -> torch.Tensor:
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None)
+        ctx.layer = layer  # its weight read again in backward, cast afresh (not kept as an activation)
+        if unneeded_in_recompute and recomputing():
+            return x.new_empty(x.shape[0], layer.out_features)
+        return _float8_product(x, layer.cast_weight())
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        layer = ctx.layer
+        dx = _float8_input_grad(dy, layer.cast_weight(), dy.dtype) if ctx.needs_input_grad[0] else None
+        dw = dy.t() @ x if x is not None else None
+        return dx, dw, None, None
+
+
+class Float8TrainedLinear(nn.Linear):
+    """An `nn.Linear` whose weight trains and whose products run in float8 (ligertune's layer for
+    `train.precision: fp8` with `kernels.float8_linear`): at each use the weight is cast to e4m3 with
+    a scale per output channel and the input (the output gradient) with a scale per token, as a
+    frozen base's are (`Float8FrozenLinear`); the weight's gradient is a GEMM in the weight's dtype.
+    The same parameters and state as the `nn.Linear` it replaces, so checkpoints and exports do not
+    see it."""
+
+    skips_unneeded_products = True
+    """Takes `unneeded_in_recompute` (`patching._swiglu`)."""
+
+    def __init__(self, linear: nn.Linear):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def cast_weight(self) -> _Float8Weight:
+        with torch.no_grad():
+            weight, scale = quantize_rows(self.weight.detach())
+        return _Float8Weight(weight, scale, scale.new_ones(self.in_features))
+
+    def forward(self, x: torch.Tensor, *, unneeded_in_recompute: bool = False) -> torch.Tensor:
+        y = _TrainedFloat8Matmul.apply(x.reshape(-1, self.in_features), self.weight, self, unneeded_in_recompute)
+        if self.bias is not None:
+            y = y + self.bias
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+
+def train_in_float8(model: nn.Module) -> int:
+    """Replace the decoder's linear layers of `model` whose weights train (every `nn.Linear` but the
+    output projection, sides multiples of 16 as float8 GEMMs need) by `Float8TrainedLinear`, in
+    place, keeping their parameters; return how many."""
+    head = model.get_output_embeddings()
+    chosen = [
+        (parent, name, child)
+        for parent in model.modules() for name, child in parent.named_children()
+        if type(child) is nn.Linear and child is not head and child.weight.requires_grad
+        and child.in_features % 16 == 0 and child.out_features % 16 == 0
+    ]
+    for parent, name, child in chosen:
+        setattr(parent, name, Float8TrainedLinear(child))
+    return len(chosen)
+
+
 def freeze_to_float8(model: nn.Module) -> int:
     """Replace every frozen `nn.Linear` of the decoder (no trainable weight; not the output projection
     nor a layer tied to the embeddings; sides multiples of 16, as float8 GEMMs need) by a
@@ -269,6 +348,6 @@ def join_siblings(model: nn.Module) -> int:
 
 def float8_layers(model: nn.Module) -> int:
     """How many layers of `model` multiply in float8."""
-    return sum(isinstance(m, Float8FrozenLinear)
+    return sum(isinstance(m, (Float8FrozenLinear, Float8TrainedLinear))
                or (type(m).__name__ == "Float8Linear" and type(m).__module__.startswith("torchao."))
                for m in model.modules())

@@ -256,9 +256,11 @@ def _swiglu(module: nn.Module, x: torch.Tensor, *, last_unneeded_in_recompute: b
     # gate and up exist for this product alone: their memory can take their gradients.
     h = kernels.swiglu(module.gate_proj(x), module.up_proj(x), reuse_inputs=True)
     down = module.down_proj
-    if (last_unneeded_in_recompute and type(down) is nn.Linear and torch.is_grad_enabled()
-            and not torch.is_autocast_enabled(h.device.type)):
-        return _ProductSkippedInRecompute.apply(h, down.weight, down.bias)
+    if last_unneeded_in_recompute and torch.is_grad_enabled() and not torch.is_autocast_enabled(h.device.type):
+        if type(down) is nn.Linear:
+            return _ProductSkippedInRecompute.apply(h, down.weight, down.bias)
+        if getattr(down, "skips_unneeded_products", False):  # a float8 layer that trains
+            return down(h, unneeded_in_recompute=True)
     return down(h)
 
 

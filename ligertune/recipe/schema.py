@@ -187,6 +187,14 @@ class KernelsConfig:
         "long conversations, where they are a layer's largest tensors; docs/memory.md). Costs one more "
         "forward of the MLP. null: the MLP runs whole.",
     )
+    float8_linear: bool = _field(
+        False,
+        "With `train.precision: fp8` over weights that train (a full fine-tune): ligertune's float8 "
+        "layers instead of torchao's. Each product and the input's gradient are float8 GEMMs, the "
+        "weight cast at each use with a scale per output channel and the input with a scale per token "
+        "(one Triton pass each); the weight's gradient is a bf16 GEMM; no torchao needed, and "
+        "`mlp_chunk_tokens` works (docs/fp8.md). `false`: torchao's float8 training (`train.fp8_scaling`).",
+    )
     lora: bool = _field(
         True,
         "With `lora`: the LoRA layers compute peft's values without its per-layer overhead: one GEMM "
@@ -710,13 +718,14 @@ class TrainConfig:
     precision: Literal["auto", "fp8"] = _field(
         "auto", "`auto`: every matmul in `model.dtype`. `fp8`: the decoder's linear layers multiply in "
         "float8 over bf16 weights: trained layers through torchao's float8 training (pip install "
-        "'ligertune[fp8]'), a frozen base (LoRA's) cast to float8 once; an NVIDIA GPU of compute "
+        "'ligertune[fp8]') or ligertune's (`kernels.float8_linear`), a frozen base (LoRA's) cast to "
+        "float8 once; an NVIDIA GPU of compute "
         "capability 8.9 or newer (H100-class), one process (docs/fp8.md)."
     )
     fp8_scaling: Literal["tensorwise", "rowwise"] = _field(
-        "tensorwise", "With `precision: fp8`, for layers whose weights train: one scale per tensor "
-        "(`tensorwise`, the fastest) or per row (`rowwise`). A frozen base always takes a scale per "
-        "token and per output channel."
+        "tensorwise", "With `precision: fp8`, for layers whose weights train through torchao: one scale per "
+        "tensor (`tensorwise`, the fastest) or per row (`rowwise`). A frozen base, and ligertune's own "
+        "float8 layers (`kernels.float8_linear`), take a scale per token and per output channel."
     )
     log_every: int = _field(1, "Write a metrics record every N optimizer steps.")
     eval_every: int | None = _field(None, "Evaluate on the held-out data every N steps (and at the end).")
@@ -882,10 +891,11 @@ class Recipe:
             if self.model.dtype not in ("auto", "bfloat16"):
                 problems.append(("train.precision", f"fp8 runs over bf16 weights; model.dtype is "
                                  f"{self.model.dtype}: use bfloat16 (or auto)"))
-            if self.kernels.mlp_chunk_tokens is not None and self.trains_model_weights:
-                problems.append(("kernels.mlp_chunk_tokens", "not with train.precision: fp8 over weights "
-                                 "that train (torchao's layers run compiled there): drop one of the two "
-                                 "(a frozen base, LoRA's, takes both)"))
+            torchao_layers = self.trains_model_weights and not self.kernels.float8_linear
+            if self.kernels.mlp_chunk_tokens is not None and torchao_layers:
+                problems.append(("kernels.mlp_chunk_tokens", "not with train.precision: fp8 through torchao's "
+                                 "layers, which run compiled: set kernels.float8_linear: true (ligertune's "
+                                 "float8 layers take both), or drop one of the two"))
         if self.model.quantization is not None and self.lora is None:
             problems.append(("model.quantization", f"a quantized base ({self.model.quantization}) is frozen: "
                              "train LoRA adapters over it (add a `lora` section, e.g. `--set lora.r=16`)"))

@@ -324,7 +324,7 @@ def build_model(
         check_quantized(recipe)
     float8 = recipe.train.precision == "fp8"
     if float8:
-        check_float8(device, torchao=recipe.trains_model_weights)
+        check_float8(device, torchao=recipe.trains_model_weights and not recipe.kernels.float8_linear)
     dtype = dtype or resolve_dtype(model_cfg.dtype, device)
     model = models.build_model(model_cfg, device=device, dtype=dtype, seed=recipe.train.seed,
                                vocab_size=vocab_size)
@@ -332,9 +332,12 @@ def build_model(
         check_modules_to_save(model, recipe)
     patches = patch_kernels(model, recipe.kernels) if kernels else None
     if float8 and recipe.trains_model_weights:
-        from ligertune.models.float8 import convert_to_float8
+        from ligertune.models.float8 import convert_to_float8, train_in_float8
 
-        convert_to_float8(model, recipe.train.fp8_scaling, compiled=True)
+        if recipe.kernels.float8_linear:
+            train_in_float8(model)
+        else:
+            convert_to_float8(model, recipe.train.fp8_scaling, compiled=True)
     if recipe.train.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if before_adapters is not None:

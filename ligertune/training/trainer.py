@@ -267,8 +267,12 @@ def describe_run(run: Run, dtype: torch.dtype, patches: str) -> None:
     out.print(f"kernels: {patches}; fused loss: {'on' if run.head.fused else 'off'} "
               f"({active_path(run.device)} path)")
     if recipe.train.precision == "fp8":
-        how = (f"{recipe.train.fp8_scaling} scales, torchao" if recipe.trains_model_weights
-               else "frozen: cast once, a scale per output channel and per token")
+        if not recipe.trains_model_weights:
+            how = "frozen: cast once, a scale per output channel and per token"
+        elif recipe.kernels.float8_linear:
+            how = "ligertune's layers: a scale per output channel and per token, the weights' gradients in bf16"
+        else:
+            how = f"{recipe.train.fp8_scaling} scales, torchao"
         out.print(f"fp8: {float8_layers(run.model)} linear layers multiply in float8 ({how}); the rest in {dtype}")
     out.print(
         f"data: {len(data.train_examples)} train / {len(data.eval_examples)} eval {recipe.objective.units}, "

@@ -2,8 +2,9 @@
 its forward and input gradient are the products of the float8 operands with their scales (float64
 products of the dequantized operands, computed on the GPU), and close to bf16's. On the CPU torch's
 float8 GEMM is a reference implementation; here it is cuBLAS's, whose operand layouts and scale
-shapes the CPU does not check. Siblings joined into one float8 GEMM (q, k, v; gate, up), with the
-patched kernels (SwiGLU's row kernels over gate and up side by side), train as the layers apart.
+shapes the CPU does not check. The same for a layer whose weight trains (`Float8TrainedLinear`).
+Siblings joined into one float8 GEMM (q, k, v; gate, up), with the patched kernels (SwiGLU's row
+kernels over gate and up side by side), train as the layers apart.
 
     TRITON_INTERPRET=0 python -m pytest -m gpu tests/gpu/test_gpu_float8_frozen.py -q
 """
@@ -19,7 +20,7 @@ from test_gpu_models import SMALL_LLAMA
 
 from ligertune.kernels import quantize_rows
 from ligertune.models import patch_model, unpatch_model
-from ligertune.models.float8 import Float8FrozenLinear, freeze_to_float8
+from ligertune.models.float8 import Float8FrozenLinear, Float8TrainedLinear, freeze_to_float8
 from ligertune.models.lora import patch_lora
 from ligertune.numerics import relative_error
 
@@ -52,6 +53,29 @@ def test_the_float8_products_at_8b_shapes(n_in, n_out):
     assert relative_error(x.grad, dx_exact) < 4e-3
     assert relative_error(y, x.detach().double() @ linear.weight.double().T) < 0.06
     assert relative_error(x.grad, dy.double() @ linear.weight.double()) < 0.06
+
+
+@pytest.mark.parametrize("n_in, n_out", [(2048, 512), (2048, 8192), (8192, 2048)])
+def test_the_trained_layers_float8_products_at_1b_shapes(n_in, n_out):
+    """`Float8TrainedLinear` (`kernels.float8_linear`): the same float8 products, the weight cast at
+    each use; the weight's gradient bf16's GEMM."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(n_in, n_out, bias=False, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.mul_(torch.logspace(-1, 1, n_out, device="cuda", dtype=torch.bfloat16)[:, None])
+    layer = Float8TrainedLinear(linear)
+    x = torch.randn(1000, n_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # not a multiple of 16
+    dy = torch.randn(1000, n_out, device="cuda", dtype=torch.bfloat16)
+    y = layer(x)
+    y.backward(dy)
+    q_w, s_w = quantize_rows(linear.weight.detach())
+    y_exact = dequantized(*quantize_rows(x.detach())) @ dequantized(q_w, s_w).T
+    dx_exact = dequantized(*quantize_rows(dy, s_w)) @ q_w.double()
+    assert relative_error(y, y_exact) < 4e-3
+    assert relative_error(x.grad, dx_exact) < 4e-3
+    assert relative_error(y, x.detach().double() @ linear.weight.double().T) < 0.06
+    assert relative_error(x.grad, dy.double() @ linear.weight.double()) < 0.06
+    assert torch.equal(layer.weight.grad, dy.t() @ x.detach())
 
 
 def test_joined_siblings_under_fast_lora_train_as_the_layers_apart():

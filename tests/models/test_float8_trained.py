@@ -1,0 +1,142 @@
+"""ligertune's float8 layers for weights that train (`train.precision: fp8` with
+`kernels.float8_linear`, `Float8TrainedLinear`): the product and the input's gradient are exactly
+those of the float8 operands with their scales (checked against float64 products of the dequantized
+operands) and close to bf16's, the weight's gradient is bf16's own GEMM, the layer is the
+`nn.Linear` it replaced to everything that saves or optimizes it, and a model trains through it as in
+bf16, gradient checkpointing included. On the CPU the same float8 values are multiplied in float32;
+on a GPU the float8 tensor cores do (tests/gpu/test_gpu_fp8.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import make_model
+from tiny_recipe import write_recipe
+
+import ligertune.models.float8 as float8
+from ligertune.errors import UserError
+from ligertune.kernels import quantize_rows
+from ligertune.models import patch_model
+from ligertune.models.float8 import Float8TrainedLinear, float8_layers, train_in_float8
+from ligertune.numerics import relative_error
+from ligertune.recipe import load_recipe
+
+LAYERS = 2
+
+
+def trained_linear(n_in: int = 96, n_out: int = 64, bias: bool = False, seed: int = 0) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    linear = torch.nn.Linear(n_in, n_out, bias=bias, dtype=torch.bfloat16)
+    with torch.no_grad():  # output channels of different ranges, as trained weights have
+        linear.weight.mul_(torch.logspace(-1, 1, n_out, dtype=torch.bfloat16)[:, None])
+    return linear
+
+
+def dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.double() * scale.double()[:, None]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_products_are_float8_and_the_weight_gradient_is_bf16s(bias):
+    linear = trained_linear(bias=bias)
+    layer = Float8TrainedLinear(linear)
+    x = torch.randn(3, 5, 96, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(3, 5, 64, dtype=torch.bfloat16)
+    y = layer(x)
+    y.backward(dy)
+    assert y.shape == (3, 5, 64) and y.dtype == x.grad.dtype == layer.weight.grad.dtype == torch.bfloat16
+
+    q_w, s_w = quantize_rows(linear.weight.detach())
+    x2, dy2 = x.detach().reshape(-1, 96), dy.reshape(-1, 64)
+    y_exact = dequantized(*quantize_rows(x2)) @ dequantized(q_w, s_w).T + (linear.bias.double() if bias else 0)
+    dx_exact = dequantized(*quantize_rows(dy2, s_w)) @ q_w.double()  # W's channel scales folded into dy
+    assert relative_error(y.reshape(-1, 64), y_exact) < 4e-3  # float32 accumulation, bf16 output
+    assert relative_error(x.grad.reshape(-1, 96), dx_exact) < 4e-3
+    assert relative_error(y.reshape(-1, 64), x2.double() @ linear.weight.double().T
+                          + (linear.bias.double() if bias else 0)) < 0.06  # 3 bits of mantissa an operand
+    assert torch.equal(layer.weight.grad, dy2.t() @ x2)  # the weight's gradient: bf16's GEMM, no float8
+    if bias:
+        assert torch.equal(layer.bias.grad, dy2.sum(0))
+
+
+def test_the_layer_is_the_linear_it_replaced_and_casts_the_weight_as_it_is_now():
+    linear = trained_linear(bias=True)
+    parameters, state = list(linear.parameters()), linear.state_dict()
+    layer = Float8TrainedLinear(linear)
+    assert isinstance(layer, torch.nn.Linear) and list(layer.parameters()) == parameters
+    assert layer.state_dict().keys() == state.keys()
+    x = torch.randn(4, 96, dtype=torch.bfloat16)
+    before = layer(x)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        layer(x).sum().backward()
+    assert [(t.data_ptr(), t.shape) for t in saved] == [(x.data_ptr(), x.shape)]  # x, for the weight's gradient
+    torch.optim.SGD(layer.parameters(), lr=0.1).step()  # in place, as every optimizer steps
+    assert not torch.equal(layer(x), before)  # the new weight is cast, not the last step's
+
+
+def loss_and_grads(model, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    logits = model(ids).logits
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+    loss.backward()
+    return loss.detach(), {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def batch() -> torch.Tensor:
+    return torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+def test_a_model_trains_through_the_float8_layers_as_in_bf16():
+    model = make_model("llama", attention="sdpa", dtype=torch.bfloat16)
+    patch_model(model)
+    reference = copy.deepcopy(model)
+    assert train_in_float8(model) == 7 * LAYERS and float8_layers(model) == 7 * LAYERS
+    assert type(model.lm_head) is torch.nn.Linear  # the fused loss reads it as one matrix
+    assert model.state_dict().keys() == reference.state_dict().keys()
+    (loss, grads), (loss0, grads0) = loss_and_grads(model, batch()), loss_and_grads(reference, batch())
+    assert relative_error(loss, loss0) < 1e-2
+    assert grads.keys() == grads0.keys()
+    for name in grads:
+        assert relative_error(grads[name], grads0[name]) < 0.25, name
+
+
+def test_a_recompute_skips_down_proj_and_checkpointing_changes_nothing(monkeypatch):
+    """Under gradient checkpointing a recomputed layer's down_proj product, which nothing the layer
+    keeps reads, is skipped: once a step instead of twice, the loss and gradients bit for bit those
+    without checkpointing."""
+    from ligertune.training.build import enable_gradient_checkpointing
+
+    runs = []
+    for checkpointed in (False, True):
+        model = make_model("llama", attention="sdpa", dtype=torch.bfloat16)
+        patch_model(model)
+        train_in_float8(model)
+        if checkpointed:
+            enable_gradient_checkpointing(model)
+        model.train()
+        config = model.config
+        products = []
+        original = float8._float8_product
+        monkeypatch.setattr(float8, "_float8_product", lambda x, w: products.append(tuple(w.weight.shape))
+                            or original(x, w))
+        loss, grads = loss_and_grads(model, batch())
+        monkeypatch.setattr(float8, "_float8_product", original)
+        runs.append((products.count((config.hidden_size, config.intermediate_size)), len(products), loss, grads))
+    (down, total, loss, grads), (down_c, total_c, loss_c, grads_c) = runs
+    assert down == down_c == LAYERS
+    assert total_c == 2 * total - LAYERS  # every other product runs again in the recompute
+    assert torch.equal(loss, loss_c) and grads.keys() == grads_c.keys()
+    for name in grads:
+        assert torch.equal(grads[name], grads_c[name]), name
+
+
+def test_the_mlp_in_chunks_is_refused_only_with_torchaos_layers(tmp_path):
+    sections = {"train": {"precision": "fp8", "device": "auto"}, "kernels": {"mlp_chunk_tokens": 64}}
+    with pytest.raises(UserError, match="kernels.mlp_chunk_tokens: not with train.precision: fp8 through torchao"):
+        load_recipe(write_recipe(tmp_path, **copy.deepcopy(sections)))
+    sections["kernels"]["float8_linear"] = True
+    assert load_recipe(write_recipe(tmp_path, **sections)).kernels.float8_linear

@@ -35,12 +35,18 @@ def dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.double() * scale.double()[:, None]
 
 
-@pytest.mark.parametrize("n_in, n_out", [(4096, 1024), (4096, 14336), (14336, 4096)])
-def test_the_float8_products_at_8b_shapes(n_in, n_out):
+def scaled_linear(n_in: int, n_out: int) -> torch.nn.Linear:
+    """A bias-free bf16 layer on the GPU whose output channels differ in range, as trained ones do."""
     torch.manual_seed(0)
-    linear = torch.nn.Linear(n_in, n_out, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+    linear = torch.nn.Linear(n_in, n_out, bias=False, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         linear.weight.mul_(torch.logspace(-1, 1, n_out, device="cuda", dtype=torch.bfloat16)[:, None])
+    return linear
+
+
+@pytest.mark.parametrize("n_in, n_out", [(4096, 1024), (4096, 14336), (14336, 4096)])
+def test_the_float8_products_at_8b_shapes(n_in, n_out):
+    linear = scaled_linear(n_in, n_out).requires_grad_(False)
     layer = Float8FrozenLinear(linear)
     x = torch.randn(1000, n_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # not a multiple of 16
     dy = torch.randn(1000, n_out, device="cuda", dtype=torch.bfloat16)
@@ -59,10 +65,7 @@ def test_the_float8_products_at_8b_shapes(n_in, n_out):
 def test_the_trained_layers_float8_products_at_1b_shapes(n_in, n_out):
     """`Float8TrainedLinear` (`kernels.float8_linear`): the same float8 products, the weight cast at
     each use; the weight's gradient bf16's GEMM."""
-    torch.manual_seed(0)
-    linear = torch.nn.Linear(n_in, n_out, bias=False, device="cuda", dtype=torch.bfloat16)
-    with torch.no_grad():
-        linear.weight.mul_(torch.logspace(-1, 1, n_out, device="cuda", dtype=torch.bfloat16)[:, None])
+    linear = scaled_linear(n_in, n_out)
     layer = Float8TrainedLinear(linear)
     x = torch.randn(1000, n_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # not a multiple of 16
     dy = torch.randn(1000, n_out, device="cuda", dtype=torch.bfloat16)

@@ -4,7 +4,7 @@ those of the float8 operands with their scales (checked against float64 products
 operands) and close to bf16's, the weight's gradient is bf16's own GEMM, the layer is the
 `nn.Linear` it replaced to everything that saves or optimizes it, and a model trains through it as in
 bf16, gradient checkpointing included. On the CPU the same float8 values are multiplied in float32;
-on a GPU the float8 tensor cores do (tests/gpu/test_gpu_fp8.py)."""
+on a GPU the float8 tensor cores do (tests/gpu/test_gpu_float8_frozen.py, tests/gpu/test_gpu_fp8.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
+from test_float8_frozen import batch, dequantized, frozen_linear, loss_and_grads
 from tiny_models import make_model
 from tiny_recipe import write_recipe
 
@@ -27,16 +27,8 @@ from ligertune.recipe import load_recipe
 LAYERS = 2
 
 
-def trained_linear(n_in: int = 96, n_out: int = 64, bias: bool = False, seed: int = 0) -> torch.nn.Linear:
-    torch.manual_seed(seed)
-    linear = torch.nn.Linear(n_in, n_out, bias=bias, dtype=torch.bfloat16)
-    with torch.no_grad():  # output channels of different ranges, as trained weights have
-        linear.weight.mul_(torch.logspace(-1, 1, n_out, dtype=torch.bfloat16)[:, None])
-    return linear
-
-
-def dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return q.double() * scale.double()[:, None]
+def trained_linear(n_in: int = 96, n_out: int = 64, bias: bool = False) -> torch.nn.Linear:
+    return frozen_linear(n_in, n_out, bias).requires_grad_(True)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -76,18 +68,6 @@ def test_the_layer_is_the_linear_it_replaced_and_casts_the_weight_as_it_is_now()
     assert [(t.data_ptr(), t.shape) for t in saved] == [(x.data_ptr(), x.shape)]  # x, for the weight's gradient
     torch.optim.SGD(layer.parameters(), lr=0.1).step()  # in place, as every optimizer steps
     assert not torch.equal(layer(x), before)  # the new weight is cast, not the last step's
-
-
-def loss_and_grads(model, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model.zero_grad(set_to_none=True)
-    logits = model(ids).logits
-    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
-    loss.backward()
-    return loss.detach(), {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad}
-
-
-def batch() -> torch.Tensor:
-    return torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
 
 
 def test_a_model_trains_through_the_float8_layers_as_in_bf16():

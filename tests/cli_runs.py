@@ -32,11 +32,13 @@ def start_ligertune(*args: str, env: dict[str, str] | None = None) -> subprocess
 def torchrun(script: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """`script ARGS` under `torchrun` with two processes on this machine, `tests` and `tests/training`
     importable. Each process's lines come back marked with its rank (`[default1]:...`), so a failed
-    launch says which process said what."""
+    launch says which process said what; a process that dies of a signal (a native abort) first
+    writes where each of its threads was (`PYTHONFAULTHANDLER`)."""
     tests = Path(__file__).resolve().parent
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                "--tee", "3", str(script), *args]
-    return subprocess.run(command, env=_environment({"PYTHONPATH": f"{tests / 'training'}:{tests}"}),
+    env = _environment({"PYTHONPATH": f"{tests / 'training'}:{tests}", "PYTHONFAULTHANDLER": "1"})
+    return subprocess.run(command, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -44,7 +46,7 @@ def failed_launch(result: subprocess.CompletedProcess) -> str:
     """What a failed launch left on stderr: each rank's last lines and the launcher's summary."""
     lines = result.stderr.splitlines()
     ranks = sorted({line.split("]:", 1)[0] + "]" for line in lines if line.startswith("[default")})
-    tails = ["\n".join([line for line in lines if line.startswith(rank)][-25:]) for rank in ranks]
+    tails = ["\n".join([line for line in lines if line.startswith(rank)][-40:]) for rank in ranks]
     return "\n".join([*tails, *[line for line in lines if not line.startswith("[default")][-40:]])
 
 

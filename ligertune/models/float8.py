@@ -1,6 +1,7 @@
 """FP8 training (`train.precision: fp8`): the decoder's linear layers multiply in float8, the rest of
-the step as in bf16. Layers whose weights train go through torchao's float8 training; frozen layers
-(the base of LoRA, a frozen model under Medusa heads) become `Float8FrozenLinear`.
+the step as in bf16. Layers whose weights train go through torchao's float8 training, or with
+`kernels.float8_linear` become `Float8TrainedLinear` (below); frozen layers (the base of LoRA, a
+frozen model under Medusa heads) become `Float8FrozenLinear`.
 
 Each converted layer (torchao's `Float8Linear`) keeps its bf16 weight and, at every forward and
 backward, casts its two operands to float8 with a scale computed from their current absolute
@@ -22,6 +23,9 @@ decoder layer instead of 7, with as many casts, transposes and autograd nodes fe
 
     forward    y  = (q_x s_x) (q_W s_W)^T            scales s_x per token, s_W per output channel
     backward   dx = q(dy * s_W) s_dy  q_W            s_W folded into dy before its cast
+
+`Float8TrainedLinear` multiplies as a frozen layer does, for a weight that trains: the weight is
+cast at each use (it changes every step), and its gradient dy^T x is a GEMM in bf16 over x as it came.
 
 What stays in bf16: the embeddings, the norms, attention, the output projection (read by the fused
 linear cross-entropy as one matrix) and the LoRA adapters (small: their GEMMs are not where the time
@@ -264,8 +268,7 @@ class _TrainedFloat8Matmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         (x,) = ctx.saved_tensors
-        layer = ctx.layer
-        dx = _float8_input_grad(dy, layer.cast_weight(), dy.dtype) if ctx.needs_input_grad[0] else None
+        dx = _float8_input_grad(dy, ctx.layer.cast_weight(), dy.dtype) if ctx.needs_input_grad[0] else None
         dw = dy.t() @ x if x is not None else None
         return dx, dw, None, None
 
@@ -287,6 +290,7 @@ class Float8TrainedLinear(nn.Linear):
         self.weight, self.bias = linear.weight, linear.bias
 
     def cast_weight(self) -> _Float8Weight:
+        """The weight as it is now, in e4m3 with a scale per output channel."""
         with torch.no_grad():
             weight, scale = quantize_rows(self.weight.detach())
         return _Float8Weight(weight, scale, scale.new_ones(self.in_features))

@@ -719,8 +719,8 @@ class TrainConfig:
         "auto", "`auto`: every matmul in `model.dtype`. `fp8`: the decoder's linear layers multiply in "
         "float8 over bf16 weights: trained layers through torchao's float8 training (pip install "
         "'ligertune[fp8]') or ligertune's (`kernels.float8_linear`), a frozen base (LoRA's) cast to "
-        "float8 once; an NVIDIA GPU of compute "
-        "capability 8.9 or newer (H100-class), one process (docs/fp8.md)."
+        "float8 once; an NVIDIA GPU of compute capability 8.9 or newer (H100-class), one process "
+        "(docs/fp8.md)."
     )
     fp8_scaling: Literal["tensorwise", "rowwise"] = _field(
         "tensorwise", "With `precision: fp8`, for layers whose weights train through torchao: one scale per "

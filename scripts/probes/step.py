@@ -212,6 +212,19 @@ def peak_allocations(step) -> tuple[float, list[tuple[str, float, int]]]:
     return peak / 2**30, ranked
 
 
+def showing_tracebacks(fn):
+    """`fn`, printing the traceback of what it raises before raising it: the bench shows only the
+    exception's line, the probe where it came from."""
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception:
+            traceback.print_exc()
+            raise
+
+    return wrapper
+
+
 def observed(measure, step):
     """`measure(step)`; where a checkpointed step fails under it with torch's "returned NULL without
     setting an exception" (seen under torch 2.11's profiler, not understood yet), once more with the
@@ -247,56 +260,52 @@ def probe_step(recipe: Path, overrides: list[str], peers: bool) -> None:
         mark("clip + optimizer")
 
     def probe(self, name, layout, steps, *args, **kwargs):
-        try:
-            if layout == "synthetic":
-                step = steps[0]
+        if layout == "synthetic":
+            step = steps[0]
+            step()
+            step()
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated() / 2**30
+            torch.cuda.reset_peak_memory_stats()
+            torch.Tensor.backward = backward
+            phases.clear()
+            recording[0] = True
+            try:
                 step()
-                step()
-                torch.cuda.synchronize()
-                base = torch.cuda.memory_allocated() / 2**30
-                torch.cuda.reset_peak_memory_stats()
-                torch.Tensor.backward = backward
-                phases.clear()
-                recording[0] = True
-                try:
-                    step()
-                finally:
-                    torch.Tensor.backward = original[1]
-                    recording[0] = False
-                kinds, kernels, gaps = observed(profile_kinds, step)
-                host = observed(host_ops, step)
-                sites = observed(kernel_sites, step)
-                peak, live = observed(peak_allocations, step)
-                print(f"\n{name}: {sum(kinds.values()):.1f} ms of kernels: "
-                      + ", ".join(f"{k} {v:.1f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))
-                others = [k for k in kernels[12:] if kind_of(k[0]) == "other"]  # not already among the first 12
-                for kernel, ms, calls in kernels[:12] + others[:4]:
-                    print(f"    {ms:8.2f} ms {calls:5d}x  {kind_of(kernel):12} {kernel[:100]}")
-                print(f"  the device idle {sum(ms for ms, _, _ in gaps):.1f} ms in {len(gaps)} gaps; the longest, "
-                      "between the kernels named:")
-                for ms, before, after in gaps[:8]:
-                    print(f"    {ms:8.2f} ms  {before[:60]}  ->  {after[:60]}")
-                gemms = [site for site in sites if site[0].startswith("GEMM")]
-                print(f"  GEMMs by what launched them ({sum(s[1] for s in gemms):.1f} ms; TFLOP/s of the operator):")
-                for kind, ms, n, where, tflops in gemms[:24]:
-                    rate = f"{tflops:6.0f}" if tflops else "     -"
-                    print(f"    {ms:8.2f} ms {n:5d}x {rate} TFLOP/s  {where[:150]}")
-                print("  copies, elementwise and other kernels by what launched them:")
-                for kind, ms, n, where, _ in [site for site in sites if not site[0].startswith("GEMM")][:12]:
-                    print(f"    {ms:8.2f} ms {n:5d}x  {kind:12} {where[:160]}")
-                print(f"  the host, {sum(ms for _, ms, _ in host):.1f} ms under the profiler; by operator (self time):")
-                for op, ms, calls in host[:12]:
-                    print(f"    {ms:8.2f} ms {calls:5d}x  {op[:100]}")
-                print("  peak GiB by phase: " + ", ".join(f"{p} {g:.2f}" for p, g in phases))
-                print(f"  at the peak ({base:.2f} GiB before the step + {peak:.2f}), live by site:")
-                for site, mib, count in live[:12]:
-                    print(f"    {mib:8.1f} MiB {count:4d}x  {site}")
-        except Exception:  # the bench shows only the exception's line; the probe, where it came from
-            traceback.print_exc()
-            raise
+            finally:
+                torch.Tensor.backward = original[1]
+                recording[0] = False
+            kinds, kernels, gaps = observed(profile_kinds, step)
+            host = observed(host_ops, step)
+            sites = observed(kernel_sites, step)
+            peak, live = observed(peak_allocations, step)
+            print(f"\n{name}: {sum(kinds.values()):.1f} ms of kernels: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))
+            others = [k for k in kernels[12:] if kind_of(k[0]) == "other"]  # not already among the first 12
+            for kernel, ms, calls in kernels[:12] + others[:4]:
+                print(f"    {ms:8.2f} ms {calls:5d}x  {kind_of(kernel):12} {kernel[:100]}")
+            print(f"  the device idle {sum(ms for ms, _, _ in gaps):.1f} ms in {len(gaps)} gaps; the longest, "
+                  "between the kernels named:")
+            for ms, before, after in gaps[:8]:
+                print(f"    {ms:8.2f} ms  {before[:60]}  ->  {after[:60]}")
+            gemms = [site for site in sites if site[0].startswith("GEMM")]
+            print(f"  GEMMs by what launched them ({sum(s[1] for s in gemms):.1f} ms; TFLOP/s of the operator):")
+            for kind, ms, n, where, tflops in gemms[:24]:
+                rate = f"{tflops:6.0f}" if tflops else "     -"
+                print(f"    {ms:8.2f} ms {n:5d}x {rate} TFLOP/s  {where[:150]}")
+            print("  copies, elementwise and other kernels by what launched them:")
+            for kind, ms, n, where, _ in [site for site in sites if not site[0].startswith("GEMM")][:12]:
+                print(f"    {ms:8.2f} ms {n:5d}x  {kind:12} {where[:160]}")
+            print(f"  the host, {sum(ms for _, ms, _ in host):.1f} ms under the profiler; by operator (self time):")
+            for op, ms, calls in host[:12]:
+                print(f"    {ms:8.2f} ms {calls:5d}x  {op[:100]}")
+            print("  peak GiB by phase: " + ", ".join(f"{p} {g:.2f}" for p, g in phases))
+            print(f"  at the peak ({base:.2f} GiB before the step + {peak:.2f}), live by site:")
+            for site, mib, count in live[:12]:
+                print(f"    {mib:8.1f} MiB {count:4d}x  {site}")
         return original[0](self, name, layout, steps, *args, **kwargs)
 
-    bench_step.StepBench._time = probe
+    bench_step.StepBench._time = showing_tracebacks(probe)
     finished = register_optimizer_step_post_hook(finish)
     try:
         config = bench_step.StepBenchConfig(steps=3, warmup=1, chat=False, peers=peers, measure_matmul=False)

@@ -270,7 +270,7 @@ class StepBench:
 
     def _ligertune(self) -> list[StepRow]:
         from ligertune.models import unpatch_model
-        from ligertune.training.build import build_run
+        from ligertune.training.build import build_run, describe_float8
         from ligertune.training.memory import CheckpointPlanner
         from ligertune.training.step import train_step
 
@@ -282,6 +282,8 @@ class StepBench:
                             total_steps=PLANNING_STEPS + cfg.warmup + cfg.steps)  # the most the row takes
             fused = "on" if run.head.fused else "off"
             self.report.kernels = f"{built.patches.describe()}; fused loss: {fused}"
+            if self.recipe.train.precision == "fp8":
+                self.report.kernels += f"; fp8: {describe_float8(self.recipe, model)}"
             ids = self._synthetic_ids()
             batch = synthetic_batch(ids, self.recipe.model.attention).to(self.device)
             if isinstance(run.checkpointing, CheckpointPlanner):

@@ -457,6 +457,20 @@ def check_float8(device: torch.device, *, torchao: bool = True) -> None:
         require_torchao()
 
 
+def describe_float8(recipe: Recipe, model: nn.Module) -> str:
+    """How `train.precision: fp8` multiplies `model`'s layers, for the run's header and bench's:
+    how many are float8 and which layer does it."""
+    from ligertune.models.float8 import float8_layers
+
+    if not recipe.trains_model_weights:
+        how = "frozen: cast once, a scale per output channel and per token"
+    elif recipe.kernels.float8_linear:
+        how = "ligertune's layers: a scale per output channel and per token, the weights' gradients in bf16"
+    else:
+        how = f"torchao's layers, {recipe.train.fp8_scaling} scales"
+    return f"{float8_layers(model)} linear layers multiply in float8 ({how})"
+
+
 def check_modules_to_save(model: nn.Module, recipe: Recipe) -> None:
     """Refuse `lora.modules_to_save` naming a layer that `model.quantization` quantizes: peft would
     train a copy of it in full, and a quantized weight has no gradient (LoRA adapts it instead)."""

@@ -49,7 +49,6 @@ from ligertune.flops import device_peak_tflops
 from ligertune.kernels import active_path
 from ligertune.metrics import read_metrics
 from ligertune.models import decoder_of, load_tokenizer, unpatch_model
-from ligertune.models.float8 import float8_layers
 from ligertune.models.lora import unpatch_lora
 from ligertune.models.quantize import parameter_count
 from ligertune.objectives.reference import (
@@ -70,6 +69,7 @@ from ligertune.training.build import (
     build_reference_model,
     build_run,
     build_teacher_model,
+    describe_float8,
     fsdp_dtypes,
     optimizer_warnings,
     packs_per_step,
@@ -267,13 +267,7 @@ def describe_run(run: Run, dtype: torch.dtype, patches: str) -> None:
     out.print(f"kernels: {patches}; fused loss: {'on' if run.head.fused else 'off'} "
               f"({active_path(run.device)} path)")
     if recipe.train.precision == "fp8":
-        if not recipe.trains_model_weights:
-            how = "frozen: cast once, a scale per output channel and per token"
-        elif recipe.kernels.float8_linear:
-            how = "ligertune's layers: a scale per output channel and per token, the weights' gradients in bf16"
-        else:
-            how = f"{recipe.train.fp8_scaling} scales, torchao"
-        out.print(f"fp8: {float8_layers(run.model)} linear layers multiply in float8 ({how}); the rest in {dtype}")
+        out.print(f"fp8: {describe_float8(recipe, run.model)}; the rest in {dtype}")
     out.print(
         f"data: {len(data.train_examples)} train / {len(data.eval_examples)} eval {recipe.objective.units}, "
         f"{len(data.train_packs)} packs of {recipe.data.max_seq_len} ({real / max(slots, 1):.1%} full), "

@@ -120,3 +120,15 @@ def test_the_mlp_in_chunks_is_refused_only_with_torchaos_layers(tmp_path):
         load_recipe(write_recipe(tmp_path, **copy.deepcopy(sections)))
     sections["kernels"]["float8_linear"] = True
     assert load_recipe(write_recipe(tmp_path, **sections)).kernels.float8_linear
+
+
+def test_the_run_and_bench_say_which_layers_multiply_in_float8(tmp_path):
+    from ligertune.training.build import describe_float8
+
+    model = make_model("llama", attention="sdpa", dtype=torch.bfloat16)
+    train_in_float8(model)
+    ours = load_recipe(write_recipe(tmp_path, train={"precision": "fp8"}, kernels={"float8_linear": True}))
+    assert describe_float8(ours, model) == (f"{7 * LAYERS} linear layers multiply in float8 (ligertune's layers: "
+                                            "a scale per output channel and per token, the weights' gradients in bf16)")
+    torchao = load_recipe(write_recipe(tmp_path, train={"precision": "fp8", "fp8_scaling": "rowwise"}))
+    assert describe_float8(torchao, model).endswith("(torchao's layers, rowwise scales)")

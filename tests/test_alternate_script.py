@@ -10,20 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tiny_recipe import write_recipe
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "alternate.py"
-RECIPE = """\
-model:
-  config: {model_type: llama, vocab_size: 311, hidden_size: 32, intermediate_size: 56, num_hidden_layers: 2,
-           num_attention_heads: 4, num_key_value_heads: 2, max_position_embeddings: 256}
-  dtype: float32
-data:
-  path: chat.jsonl
-  max_seq_len: 48
-train:
-  micro_batch_size: 2
-  seed: 3
-"""
 
 
 def load_script():
@@ -34,10 +24,8 @@ def load_script():
 
 
 def run_script(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [
-        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n")
-    (tmp_path / "tiny.yaml").write_text(RECIPE)
-    return subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "tiny.yaml"), "--steps", "1", *args],
+    recipe = write_recipe(tmp_path, model={"dtype": "float32"})
+    return subprocess.run([sys.executable, str(SCRIPT), str(recipe), "--steps", "1", *args],
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=600)
 

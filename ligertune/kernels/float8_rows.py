@@ -25,8 +25,9 @@ from ligertune.kernels.types import AMAX_FLOOR, FLOAT8, FLOAT8_MAX
 @triton.jit
 def _round_to_e4m3(v):
     """v (float32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, still in float32, so
-    that the cast after it is exact whatever performs it (Triton's interpreter rounds up without
-    carrying into the exponent: -31.51 became -16). At 3 bits of mantissa from 2^-6 up (float32 keeps
+    that the cast after it is exact: for Triton's interpreter, which rounds up without carrying into
+    the exponent (-31.51 became -16); a GPU's conversion rounds to nearest even itself, and skips
+    these dozen integer operations an element (`SOFTWARE_ROUNDING`). At 3 bits of mantissa from 2^-6 up (float32 keeps
     23: add half a unit of the 20 dropped bits, plus the kept last bit for ties, and clear them; a
     carry moves the exponent, as it should); below, e4m3 is subnormal, a multiple of 2^-9 (adding
     and subtracting 1.5 * 2^14 leaves v rounded to that grid)."""
@@ -39,7 +40,7 @@ def _round_to_e4m3(v):
 @triton.jit
 def _quantize_rows_kernel(x_ptr, col_scale_ptr, q_ptr, scale_ptr, n_cols, x_row_stride,
                           HAS_COL_SCALE: tl.constexpr, BLOCK: tl.constexpr, FLOAT8_MAX: tl.constexpr,
-                          AMAX_FLOOR: tl.constexpr):
+                          AMAX_FLOOR: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
     amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -57,7 +58,10 @@ def _quantize_rows_kernel(x_ptr, col_scale_ptr, q_ptr, scale_ptr, n_cols, x_row_
         if HAS_COL_SCALE:
             x = x * tl.load(col_scale_ptr + cols, mask=cols < n_cols, other=0.0)
         q = tl.clamp(x * factor, -FLOAT8_MAX, FLOAT8_MAX)
-        tl.store(q_ptr + row * n_cols + cols, _round_to_e4m3(q).to(q_ptr.dtype.element_ty), mask=cols < n_cols)
+        if SOFTWARE_ROUNDING:
+            q = _round_to_e4m3(q)
+        q = q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(q_ptr + row * n_cols + cols, q, mask=cols < n_cols)
     tl.store(scale_ptr + row, row_amax / FLOAT8_MAX)
 
 
@@ -77,7 +81,7 @@ def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tup
         _quantize_rows_kernel[(rows,)](
             x, col_scale if col_scale is not None else scale, q, scale, cols, x.stride(0),
             HAS_COL_SCALE=col_scale is not None, BLOCK=block, FLOAT8_MAX=FLOAT8_MAX, AMAX_FLOOR=AMAX_FLOOR,
-            num_warps=8 if block >= 2048 else 4,
+            SOFTWARE_ROUNDING=x.device.type != "cuda", num_warps=8 if block >= 2048 else 4,
         )
     return q, scale
 

@@ -30,7 +30,8 @@ BLOCK_BYTES = 1024
 @triton.jit
 def _round_to_bfloat16(v):
     """v (float32, finite) rounded to the nearest bfloat16, ties to even, still in float32, so that
-    the cast after it is exact whatever performs it (Triton's interpreter truncates)."""
+    the cast after it is exact: for Triton's interpreter, which truncates; a GPU's conversion rounds
+    to nearest even itself (`SOFTWARE_ROUNDING`)."""
     bits = v.to(tl.int32, bitcast=True)
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).to(tl.float32, bitcast=True)
 
@@ -38,7 +39,7 @@ def _round_to_bfloat16(v):
 @triton.jit
 def _dequantize_4bit_kernel(packed_ptr, table_ptr, absmax_ptr, code_ptr, absmax2_ptr, offset_ptr, out_ptr,
                             n_bytes, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
-                            NESTED_BLOCKSIZE: tl.constexpr, BLOCK: tl.constexpr):
+                            NESTED_BLOCKSIZE: tl.constexpr, BLOCK: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr):
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offsets = start + tl.arange(0, BLOCK)
     inside = offsets < n_bytes
@@ -54,7 +55,7 @@ def _dequantize_4bit_kernel(packed_ptr, table_ptr, absmax_ptr, code_ptr, absmax2
     high = tl.load(table_ptr + (packed >> 4)) * scale
     low = tl.load(table_ptr + (packed & 15)) * scale
     weights = tl.interleave(high, low)
-    if out_ptr.dtype.element_ty == tl.bfloat16:
+    if SOFTWARE_ROUNDING and out_ptr.dtype.element_ty == tl.bfloat16:
         weights = _round_to_bfloat16(weights)
     out = start * 2 + tl.arange(0, 2 * BLOCK)
     tl.store(out_ptr + out, weights.to(out_ptr.dtype.element_ty), mask=out < n_bytes * 2)
@@ -70,6 +71,7 @@ def dequantize_4bit(packed: torch.Tensor, table: torch.Tensor, scales: BlockScal
         packed, table, scales.absmax,
         scales.code if nested else table, scales.absmax2 if nested else table, scales.offset if nested else table,
         out, packed.numel(), BLOCKSIZE=scales.blocksize, NESTED=nested, NESTED_BLOCKSIZE=scales.nested_blocksize,
-        BLOCK=BLOCK_BYTES, enable_fp_fusion=False,  # the scale's product and sum rounded apart, as bitsandbytes'
+        BLOCK=BLOCK_BYTES, SOFTWARE_ROUNDING=out.device.type != "cuda",
+        enable_fp_fusion=False,  # the scale's product and sum rounded apart, as bitsandbytes'
     )
     return out

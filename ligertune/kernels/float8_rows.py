@@ -27,10 +27,10 @@ def _round_to_e4m3(v):
     """v (float32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, still in float32, so
     that the cast after it is exact: for Triton's interpreter, which rounds up without carrying into
     the exponent (-31.51 became -16); a GPU's conversion rounds to nearest even itself, and skips
-    these dozen integer operations an element (`SOFTWARE_ROUNDING`). At 3 bits of mantissa from 2^-6 up (float32 keeps
-    23: add half a unit of the 20 dropped bits, plus the kept last bit for ties, and clear them; a
-    carry moves the exponent, as it should); below, e4m3 is subnormal, a multiple of 2^-9 (adding
-    and subtracting 1.5 * 2^14 leaves v rounded to that grid)."""
+    these dozen integer operations an element (`SOFTWARE_ROUNDING`). At 3 bits of mantissa from
+    2^-6 up (float32 keeps 23: add half a unit of the 20 dropped bits, plus the kept last bit for
+    ties, and clear them; a carry moves the exponent, as it should); below, e4m3 is subnormal, a
+    multiple of 2^-9 (adding and subtracting 1.5 * 2^14 leaves v rounded to that grid)."""
     bits = v.to(tl.int32, bitcast=True)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
     subnormal = (v + 24576.0) - 24576.0

@@ -72,10 +72,12 @@ def test_the_device_memory_cap_applies_to_cuda_without_an_index():
     import torch
 
     from ligertune.devices import cap_device_memory, device_memory_bytes
+    from ligertune.training.memory import default_budget_gib
 
     device = torch.device("cuda")
     try:
         cap_device_memory(device, 8)
         assert device_memory_bytes(device) == pytest.approx(8 * 2**30, rel=1e-6)
+        assert default_budget_gib(device) == pytest.approx(0.9 * 8, rel=1e-6)  # `auto` without a budget
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())

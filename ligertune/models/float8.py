@@ -288,12 +288,15 @@ class Float8TrainedLinear(nn.Linear):
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
+        # the input-gradient GEMM's scales for W (its channel scales folded into dy): made once
+        self.register_buffer("unit_scale", torch.ones(self.in_features, device=self.weight.device),
+                             persistent=False)
 
     def cast_weight(self) -> _Float8Weight:
         """The weight as it is now, in e4m3 with a scale per output channel."""
         with torch.no_grad():
             weight, scale = quantize_rows(self.weight.detach())
-        return _Float8Weight(weight, scale, scale.new_ones(self.in_features))
+        return _Float8Weight(weight, scale, self.unit_scale)
 
     def forward(self, x: torch.Tensor, *, unneeded_in_recompute: bool = False) -> torch.Tensor:
         y = _TrainedFloat8Matmul.apply(x.reshape(-1, self.in_features), self.weight, self, unneeded_in_recompute)

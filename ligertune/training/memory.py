@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from ligertune.devices import device_memory_bytes
+from ligertune.models.patching import recomputing
 
 GIB = 2**30
 
@@ -181,8 +182,7 @@ class InputOffload:
 
     def _after_forward(self, index: int, layer: nn.Module, args, kwargs, output) -> None:
         # Only the step's own forward: not evaluation, not the recompute (which runs in backward).
-        if not (self.enabled and layer.training and torch.is_grad_enabled()
-                and torch._C._current_graph_task_id() == -1):
+        if not (self.enabled and layer.training and torch.is_grad_enabled() and not recomputing()):
             return
         if index == 0:
             self._parked.clear()  # a new forward: the last one's are gone or restored

@@ -11,7 +11,7 @@ import os
 import torch
 
 from ligertune.kernels.types import (
-    DIVERGENCES, BlockScales, DivergenceOptions, DivergenceOutput, LossOptions, LossOutput,
+    DIVERGENCES, FLOAT8_FORMATS, BlockScales, DivergenceOptions, DivergenceOutput, LossOptions, LossOutput,
 )
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "fused_linear_divergence",
     "lion_step",
     "quantize_rows",
+    "quantize_transposed",
     "rms_norm",
     "swiglu",
     "transpose_float8",
@@ -148,6 +149,18 @@ def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tup
     """A 2-D tensor to float8 (e4m3) with one scale per row: (q, scale [rows] float32), x ~ q * scale
     (times `col_scale` elementwise first, when given); see `float8_rows`."""
     return _impl("quantize_rows", x.device)(x, col_scale)
+
+
+def quantize_transposed(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn,
+                        multiple: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """The transpose of a 2-D tensor in float8 (`dtype`: e4m3 or e5m2) with one scale for the
+    tensor, (q [cols, rows padded], scale: a float32 scalar), x^T ~ q * scale; the rows are padded
+    with zeros to a multiple of `multiple`, as the inner side of a float8 GEMM must be."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize_transposed: expected a 2-D tensor, got shape {tuple(x.shape)}")
+    if dtype not in FLOAT8_FORMATS:
+        raise ValueError(f"quantize_transposed: dtype must be one of {FLOAT8_FORMATS}, got {dtype}")
+    return _impl("quantize_transposed", x.device)(x, dtype, multiple)
 
 
 def dequantize_4bit(packed: torch.Tensor, table: torch.Tensor, scales: BlockScales,

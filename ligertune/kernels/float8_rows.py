@@ -1,6 +1,8 @@
 """Rows to float8 with a scale per row: the activations and gradients of the frozen float8 layers
-(`ligertune.models.float8.Float8FrozenLinear`); and the transpose of a float8 matrix, which their
-backward needs (a float8 GEMM reads its second operand column-major only).
+(`ligertune.models.float8.Float8FrozenLinear`); the transpose of a float8 matrix, which their
+backward needs (a float8 GEMM reads its second operand column-major only); and a matrix to float8
+with one scale for the tensor, written transposed, for a GEMM whose inner side is its rows (the
+weight gradient's, over tokens: `quantize_transposed`).
 
 For a row x (times `col_scale` elementwise, when given), with E = 448 the largest e4m3 value:
 
@@ -30,11 +32,23 @@ def _round_to_e4m3(v):
     these dozen integer operations an element (`SOFTWARE_ROUNDING`). At 3 bits of mantissa from
     2^-6 up (float32 keeps 23: add half a unit of the 20 dropped bits, plus the kept last bit for
     ties, and clear them; a carry moves the exponent, as it should); below, e4m3 is subnormal, a
-    multiple of 2^-9 (adding and subtracting 1.5 * 2^14 leaves v rounded to that grid)."""
+    multiple of 2^-9 (adding and subtracting 1.5 * 2^14 leaves |v| rounded to that grid; the sign
+    kept, -0 included)."""
     bits = v.to(tl.int32, bitcast=True)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-    subnormal = (v + 24576.0) - 24576.0
-    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
+    subnormal = (tl.abs(v) + 24576.0) - 24576.0
+    return tl.where(tl.abs(v) < 0.015625, tl.where(v < 0, -subnormal, subnormal), normal)
+
+
+@triton.jit
+def _round_to_e5m2(v):
+    """v (float32, |v| <= 57344) rounded to the nearest e5m2 value, ties to even, still in float32:
+    `_round_to_e4m3` at 2 bits of mantissa (21 dropped) from 2^-14 up; below, a multiple of 2^-16
+    (adding and subtracting 1.5 * 2^7)."""
+    bits = v.to(tl.int32, bitcast=True)
+    normal = ((bits + 0xFFFFF + ((bits >> 21) & 1)) & -0x200000).to(tl.float32, bitcast=True)
+    subnormal = (tl.abs(v) + 192.0) - 192.0
+    return tl.where(tl.abs(v) < 6.103515625e-05, tl.where(v < 0, -subnormal, subnormal), normal)
 
 
 @triton.jit
@@ -84,6 +98,46 @@ def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tup
             SOFTWARE_ROUNDING=x.device.type != "cuda", num_warps=8 if block >= 2048 else 4,
         )
     return q, scale
+
+
+@triton.jit
+def _quantize_transposed_kernel(x_ptr, amax_ptr, q_ptr, rows, cols, padded_rows, x_row_stride,
+                                FLOAT8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr, E5M2: tl.constexpr,
+                                SOFTWARE_ROUNDING: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    c = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    factor = FLOAT8_MAX / tl.maximum(tl.load(amax_ptr), AMAX_FLOOR)
+    inside = (r[:, None] < rows) & (c[None, :] < cols)
+    x = tl.load(x_ptr + r[:, None] * x_row_stride + c[None, :], mask=inside, other=0.0).to(tl.float32)
+    q = tl.clamp(x * factor, -FLOAT8_MAX, FLOAT8_MAX)  # the padding rows: zeros
+    if SOFTWARE_ROUNDING:
+        if E5M2:
+            q = _round_to_e5m2(q)
+        else:
+            q = _round_to_e4m3(q)
+    q = q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    written = (r[:, None] < padded_rows) & (c[None, :] < cols)
+    tl.store(q_ptr + c[:, None] * padded_rows + r[None, :], tl.trans(q), mask=tl.trans(written))
+
+
+def quantize_transposed(x: torch.Tensor, dtype: torch.dtype, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [cols, rows padded] in `dtype`, scale: a float32 scalar) of a 2-D `x`, x^T ~ q * scale:
+    one scale for the whole tensor, its largest magnitude over the format's largest (amax, in torch's
+    reduction, then one Triton pass of tiles cast and written transposed); the padding zeros."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    rows, cols = x.shape
+    padded_rows = -(-rows // multiple) * multiple
+    largest = torch.finfo(dtype).max
+    amax = torch.linalg.vector_norm(x, float("inf")).float()  # max |x|: exact in x's own dtype
+    q = torch.empty(cols, padded_rows, dtype=dtype, device=x.device)
+    if q.numel():
+        block = 64
+        _quantize_transposed_kernel[(triton.cdiv(padded_rows, block), triton.cdiv(cols, block))](
+            x, amax, q, rows, cols, padded_rows, x.stride(0), FLOAT8_MAX=largest, AMAX_FLOOR=AMAX_FLOOR,
+            E5M2=dtype == torch.float8_e5m2, SOFTWARE_ROUNDING=x.device.type != "cuda", BLOCK=block,
+            num_warps=4)
+    return q, amax.clamp_min(AMAX_FLOOR) / largest
 
 
 @triton.jit

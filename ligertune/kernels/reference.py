@@ -470,6 +470,19 @@ def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tup
     return q, (amax / FLOAT8_MAX).squeeze(1)
 
 
+def quantize_transposed(x: torch.Tensor, dtype: torch.dtype, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [cols, rows padded with zeros to a multiple of `multiple`] in `dtype`, scale: a float32
+    scalar) of a 2-D `x`, `float8_rows.quantize_transposed`'s formula: q = fmt(x^T F / amax),
+    scale = amax / F, F the format's largest, amax over the whole tensor."""
+    largest = torch.finfo(dtype).max
+    xf = x.float()
+    amax = xf.abs().amax().clamp_min(AMAX_FLOOR)
+    rows = x.shape[0]
+    q = torch.zeros(x.shape[1], -(-rows // multiple) * multiple, dtype=dtype, device=x.device)
+    q[:, :rows] = (xf * (largest / amax)).clamp_(-largest, largest).to(dtype).t()
+    return q, amax / largest
+
+
 def transpose_float8(x: torch.Tensor) -> torch.Tensor:
     """The transpose of a contiguous 2-D float8 `x`, contiguous."""
     if x.dim() != 2 or not x.is_contiguous():

@@ -21,6 +21,9 @@ FLOAT8 = torch.float8_e4m3fn
 FLOAT8_MAX = 448.0
 AMAX_FLOOR = 1e-12
 """The smallest row maximum a float8 scale is taken from: an all-zero row stays zeros."""
+FLOAT8_FORMATS = (torch.float8_e4m3fn, torch.float8_e5m2)
+"""The float8 formats of `quantize_transposed`: e4m3, and e5m2 (2 bits of mantissa over +-57344),
+which gradients take for its range."""
 
 
 @dataclass(frozen=True)

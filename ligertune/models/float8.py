@@ -25,7 +25,9 @@ decoder layer instead of 7, with as many casts, transposes and autograd nodes fe
     backward   dx = q(dy * s_W) s_dy  q_W            s_W folded into dy before its cast
 
 `Float8TrainedLinear` multiplies as a frozen layer does, for a weight that trains: the weight is
-cast at each use (it changes every step), and its gradient dy^T x is a GEMM in bf16 over x as it came.
+cast at each use (it changes every step), and its gradient dy^T x is a GEMM in bf16 over x as it came,
+or (`kernels.float8_weight_grad`) a float8 GEMM of dy in e5m2 and x in e4m3, one scale a tensor, both
+cast transposed (the GEMM's inner side is the tokens).
 
 What stays in bf16: the embeddings, the norms, attention, the output projection (read by the fused
 linear cross-entropy as one matrix) and the LoRA adapters (small: their GEMMs are not where the time
@@ -46,7 +48,7 @@ import torch
 from torch import nn
 
 from ligertune.errors import UserError
-from ligertune.kernels import quantize_rows, transpose_float8
+from ligertune.kernels import quantize_rows, quantize_transposed, transpose_float8
 from ligertune.models.lora import _cat, join_base_layers
 from ligertune.models.patching import recomputing
 from ligertune.quiet import quiet_optional_libraries
@@ -116,7 +118,8 @@ def convert_to_float8(model: nn.Module, scaling: str = "tensorwise", *, emulate:
 
 def _scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                    out_dtype: torch.dtype) -> torch.Tensor:
-    """(a scale_a) (b scale_b) for float8 `a` (m, k) and `b` (k, n), scales (m, 1) and (1, n): on a
+    """(a scale_a) (b scale_b) for float8 `a` (m, k) and `b` (k, n), scales (m, 1) and (1, n), or one
+    for each tensor: on a
     GPU the float8 tensor cores' GEMM; elsewhere the same product of the same float8 values in
     float32 (torch's CPU float8 GEMM takes one scale per tensor in some releases)."""
     if a.is_cuda:
@@ -240,6 +243,14 @@ class Float8FrozenLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def _float8_weight_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """dy^T x as a float8 GEMM, in dy's dtype: dy in e5m2 (a gradient's range), x in e4m3, each with
+    one scale for the tensor (the GEMM's inner side, the tokens, padded with zeros to 16)."""
+    q_dy, scale_dy = quantize_transposed(dy, torch.float8_e5m2)
+    q_x, scale_x = quantize_transposed(x, torch.float8_e4m3fn)
+    return _scaled_matmul(q_dy, q_x.t(), scale_dy, scale_x, dy.dtype)
+
+
 @dataclasses.dataclass
 class _Float8Weight:
     """A weight cast to float8 for one use: e4m3 values, a scale per output channel, and the unit
@@ -253,7 +264,7 @@ class _Float8Weight:
 class _TrainedFloat8Matmul(torch.autograd.Function):
     """y = x W^T for a weight that trains (`Float8TrainedLinear`): the product and the gradient of x
     as float8 GEMMs, W cast at each (it changes every step); the gradient of W, dy^T x, in W's own
-    dtype from x as it came. `unneeded_in_recompute`: a recompute gets an uninitialized output
+    dtype from x as it came, or with `weight_grad_in_float8` a float8 GEMM too. `unneeded_in_recompute`: a recompute gets an uninitialized output
     instead of the product (as `patching._ProductSkippedInRecompute`)."""
 
     @staticmethod
@@ -269,7 +280,12 @@ class _TrainedFloat8Matmul(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         (x,) = ctx.saved_tensors
         dx = _float8_input_grad(dy, ctx.layer.cast_weight(), dy.dtype) if ctx.needs_input_grad[0] else None
-        dw = dy.t() @ x if x is not None else None
+        if x is None:
+            dw = None
+        elif ctx.layer.weight_grad_in_float8:
+            dw = _float8_weight_grad(dy, x)
+        else:
+            dw = dy.t() @ x
         return dx, dw, None, None
 
 
@@ -277,17 +293,19 @@ class Float8TrainedLinear(nn.Linear):
     """An `nn.Linear` whose weight trains and whose products run in float8 (ligertune's layer for
     `train.precision: fp8` with `kernels.float8_linear`): at each use the weight is cast to e4m3 with
     a scale per output channel and the input (the output gradient) with a scale per token, as a
-    frozen base's are (`Float8FrozenLinear`); the weight's gradient is a GEMM in the weight's dtype.
-    The same parameters and state as the `nn.Linear` it replaces, so checkpoints and exports do not
-    see it."""
+    frozen base's are (`Float8FrozenLinear`); the weight's gradient is a GEMM in the weight's dtype,
+    or with `weight_grad_in_float8` (`kernels.float8_weight_grad`) a float8 GEMM of the output
+    gradient in e5m2 and the input in e4m3, one scale for each tensor. The same parameters and state
+    as the `nn.Linear` it replaces, so checkpoints and exports do not see it."""
 
     skips_unneeded_products = True
     """Takes `unneeded_in_recompute` (`patching._swiglu`)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, *, weight_grad_in_float8: bool = False):
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
+        self.weight_grad_in_float8 = weight_grad_in_float8
         # the input-gradient GEMM's scales for W (its channel scales folded into dy): made once
         self.register_buffer("unit_scale", torch.ones(self.in_features, device=self.weight.device),
                              persistent=False)
@@ -305,10 +323,11 @@ class Float8TrainedLinear(nn.Linear):
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
 
-def train_in_float8(model: nn.Module) -> int:
+def train_in_float8(model: nn.Module, *, weight_grad: bool = False) -> int:
     """Replace the decoder's linear layers of `model` whose weights train (every `nn.Linear` but the
     output projection, sides multiples of 16 as float8 GEMMs need) by `Float8TrainedLinear`, in
-    place, keeping their parameters; return how many."""
+    place, keeping their parameters; return how many. `weight_grad`: their weights' gradients as
+    float8 GEMMs too."""
     head = model.get_output_embeddings()
     chosen = [
         (parent, name, child)
@@ -317,7 +336,7 @@ def train_in_float8(model: nn.Module) -> int:
         and child.in_features % 16 == 0 and child.out_features % 16 == 0
     ]
     for parent, name, child in chosen:
-        setattr(parent, name, Float8TrainedLinear(child))
+        setattr(parent, name, Float8TrainedLinear(child, weight_grad_in_float8=weight_grad))
     return len(chosen)
 
 

@@ -195,6 +195,12 @@ class KernelsConfig:
         "(one Triton pass each); the weight's gradient is a bf16 GEMM; no torchao needed, and "
         "`mlp_chunk_tokens` works (docs/fp8.md). `false`: torchao's float8 training (`train.fp8_scaling`).",
     )
+    float8_weight_grad: bool = _field(
+        False,
+        "With `float8_linear`: the weights' gradients as float8 GEMMs too, the output gradient in e5m2 "
+        "and the input in e4m3, one scale for each tensor (cast transposed, one Triton pass each). "
+        "`false`: bf16 GEMMs (docs/fp8.md).",
+    )
     lora: bool = _field(
         True,
         "With `lora`: the LoRA layers compute peft's values without its per-layer overhead: one GEMM "
@@ -896,6 +902,11 @@ class Recipe:
                 problems.append(("kernels.mlp_chunk_tokens", "not with train.precision: fp8 through torchao's "
                                  "layers, which run compiled: set kernels.float8_linear: true (ligertune's "
                                  "float8 layers take both), or drop one of the two"))
+        if self.kernels.float8_weight_grad and not (self.train.precision == "fp8" and self.kernels.float8_linear
+                                                    and self.trains_model_weights):
+            problems.append(("kernels.float8_weight_grad", "the weights' gradients of ligertune's float8 "
+                             "layers: needs train.precision: fp8 and kernels.float8_linear: true, over weights "
+                             "that train (a full fine-tune)"))
         if self.model.quantization is not None and self.lora is None:
             problems.append(("model.quantization", f"a quantized base ({self.model.quantization}) is frozen: "
                              "train LoRA adapters over it (add a `lora` section, e.g. `--set lora.r=16`)"))

@@ -335,7 +335,7 @@ def build_model(
         from ligertune.models.float8 import convert_to_float8, train_in_float8
 
         if recipe.kernels.float8_linear:
-            train_in_float8(model)
+            train_in_float8(model, weight_grad=recipe.kernels.float8_weight_grad)
         else:
             convert_to_float8(model, recipe.train.fp8_scaling, compiled=True)
     if recipe.train.gradient_checkpointing:
@@ -465,7 +465,9 @@ def describe_float8(recipe: Recipe, model: nn.Module) -> str:
     if not recipe.trains_model_weights:
         how = "frozen: cast once, a scale per output channel and per token"
     elif recipe.kernels.float8_linear:
-        how = "ligertune's layers: a scale per output channel and per token, the weights' gradients in bf16"
+        grads = ("in float8 (e5m2 and e4m3, a scale a tensor)" if recipe.kernels.float8_weight_grad
+                 else "in bf16")
+        how = f"ligertune's layers: a scale per output channel and per token, the weights' gradients {grads}"
     else:
         how = f"torchao's layers, {recipe.train.fp8_scaling} scales"
     return f"{float8_layers(model)} linear layers multiply in float8 ({how})"

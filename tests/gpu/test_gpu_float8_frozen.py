@@ -2,7 +2,8 @@
 its forward and input gradient are the products of the float8 operands with their scales (float64
 products of the dequantized operands, computed on the GPU), and close to bf16's. On the CPU torch's
 float8 GEMM is a reference implementation; here it is cuBLAS's, whose operand layouts and scale
-shapes the CPU does not check. The same for a layer whose weight trains (`Float8TrainedLinear`).
+shapes the CPU does not check. The same for a layer whose weight trains (`Float8TrainedLinear`),
+its weight gradient in float8 included.
 Siblings joined into one float8 GEMM (q, k, v; gate, up), with the patched kernels (SwiGLU's row
 kernels over gate and up side by side), train as the layers apart.
 
@@ -18,7 +19,7 @@ import torch
 from test_gpu_fast_lora import loss_and_grads, with_adapters
 from test_gpu_models import SMALL_LLAMA
 
-from ligertune.kernels import quantize_rows
+from ligertune.kernels import quantize_rows, quantize_transposed
 from ligertune.models import patch_model, unpatch_model
 from ligertune.models.float8 import Float8FrozenLinear, Float8TrainedLinear, freeze_to_float8
 from ligertune.models.lora import patch_lora
@@ -105,3 +106,19 @@ def test_joined_siblings_under_fast_lora_train_as_the_layers_apart():
     # other float8 roundings of the same values (one scale a token for a group's output gradients):
     # as far from the bf16 base's gradients as the layers apart are
     assert relative_error(grads_j, grads_b) <= 1.2 * relative_error(grads_a, grads_b)
+
+
+@pytest.mark.parametrize("n_in, n_out", [(2048, 512), (2048, 8192), (8192, 2048)])
+def test_the_weight_gradient_in_float8_at_1b_shapes(n_in, n_out):
+    """`kernels.float8_weight_grad`: dy^T x on the float8 tensor cores from dy in e5m2 and x in e4m3,
+    one scale each, over 1000 tokens padded to 1008: the float64 product of the casts, and close to
+    the bf16 gradient."""
+    linear = scaled_linear(n_in, n_out)
+    layer = Float8TrainedLinear(linear, weight_grad_in_float8=True)
+    x = torch.randn(1000, n_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(1000, n_out, device="cuda", dtype=torch.bfloat16)
+    layer(x).backward(dy)
+    (q_dy, s_dy), (q_x, s_x) = quantize_transposed(dy, torch.float8_e5m2), quantize_transposed(x.detach())
+    exact = (q_dy.double() * s_dy.double()) @ (q_x.double() * s_x.double()).T
+    assert relative_error(layer.weight.grad, exact) < 4e-3
+    assert relative_error(layer.weight.grad, dy.double().T @ x.detach().double()) < 0.1

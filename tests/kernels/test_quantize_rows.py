@@ -7,7 +7,7 @@ import pytest
 import torch
 from kernel_testing import DEVICE
 
-from ligertune.kernels import quantize_rows, transpose_float8
+from ligertune.kernels import quantize_rows, quantize_transposed, transpose_float8
 
 
 def rows_of_many_ranges(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
@@ -88,3 +88,60 @@ def test_the_float8_transpose_is_torchs_bit_for_bit(kernel_path, shape):
     out = transpose_float8(q)
     assert out.shape == shape[::-1] and out.dtype == q.dtype and out.is_contiguous()
     assert torch.equal(out.view(torch.uint8), q.t().contiguous().view(torch.uint8))
+
+
+FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+@pytest.mark.parametrize("shape", [(100, 48), (16, 200), (1, 64), (130, 5)])
+def test_the_transposed_cast_is_one_scale_and_padded_rows(kernel_path, dtype, shape):
+    """x^T in float8 with the tensor's largest magnitude at the format's largest, the token side
+    padded with zeros to a multiple of 16, every element within the format's rounding."""
+    x = rows_of_many_ranges(*shape, torch.bfloat16)
+    q, scale = quantize_transposed(x, dtype)
+    rows, cols = shape
+    largest = torch.finfo(dtype).max
+    assert q.dtype == dtype and q.shape == (cols, -(-rows // 16) * 16) and q.is_contiguous()
+    assert scale.dtype == torch.float32 and scale.dim() == 0
+    xf = x.double().cpu()
+    assert scale.item() == pytest.approx(xf.abs().max().item() / largest, rel=1e-6)
+    back = q.double().cpu()[:, :rows].t() * scale.item()
+    bits, tiny = (3, 2.0**-10) if dtype == torch.float8_e4m3fn else (2, 2.0**-17)
+    assert (back - xf).abs().le(2.0 ** -(bits + 1) * xf.abs() + tiny * scale.item() + 1e-30).all()
+    assert q.float().abs().max().item() == largest
+    assert q[:, rows:].float().eq(0).all()
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_both_paths_cast_transposed_alike(monkeypatch, dtype):
+    """Bit for bit, subnormals, halfway values and a strided input included."""
+    wide = rows_of_many_ranges(37, 300, torch.bfloat16)
+    wide[5, 7] = 0.0
+    x = wide[:, 20:260]
+    out = {}
+    for path in ("triton", "reference"):
+        monkeypatch.setenv("LIGERTUNE_KERNELS", path)
+        out[path] = quantize_transposed(x, dtype)
+    (q_t, s_t), (q_r, s_r) = out["triton"], out["reference"]
+    assert torch.equal(s_t, s_r)
+    assert torch.equal(q_t.view(torch.uint8), q_r.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_the_transposed_cast_rounds_to_nearest_even(kernel_path, dtype):
+    largest = torch.finfo(dtype).max
+    if dtype == torch.float8_e4m3fn:
+        values = [largest, 31.5, 31.0, 30.9, 17.0, 19.0, 0.0146, 2**-10, 2**-10 * 3, 1.0625, 1.1875]
+    else:  # 2 bits of mantissa: 7 lies halfway between 6 and 8, 5 between 4 and 6
+        values = [largest, 7.0, 5.0, 6.9, 2.0**-15, 2.0**-17 * 3, 2.0**-14 * 1.125, 1.125, 1.375]
+    x = torch.tensor([values + [-v for v in values]], dtype=torch.float32, device=DEVICE).t()  # one column
+    q, scale = quantize_transposed(x, dtype)
+    assert scale.item() == 1.0
+    expected = torch.tensor(values + [-v for v in values]).to(dtype).float()
+    assert q.float().cpu()[0, : len(expected)].tolist() == expected.tolist()
+
+
+def test_the_transposed_cast_refuses_other_formats():
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        quantize_transposed(torch.ones(4, 4), torch.bfloat16)

@@ -18,7 +18,7 @@ from tiny_recipe import write_recipe
 
 import ligertune.models.float8 as float8
 from ligertune.errors import UserError
-from ligertune.kernels import quantize_rows
+from ligertune.kernels import quantize_rows, quantize_transposed
 from ligertune.models import patch_model
 from ligertune.models.float8 import Float8TrainedLinear, float8_layers, train_in_float8
 from ligertune.numerics import relative_error
@@ -54,6 +54,28 @@ def test_the_products_are_float8_and_the_weight_gradient_is_bf16s(bias):
         assert torch.equal(layer.bias.grad, dy2.sum(0))
 
 
+def test_the_weight_gradient_in_float8_is_the_product_of_its_casts():
+    """`weight_grad_in_float8`: dy^T x from dy in e5m2 and x in e4m3, one scale each, the 13 tokens
+    padded to 16 with zeros; the product and the input's gradient as without it."""
+    linear = trained_linear()
+    layer, plain = Float8TrainedLinear(linear, weight_grad_in_float8=True), Float8TrainedLinear(linear)
+    x = torch.randn(13, 96, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(13, 64, dtype=torch.bfloat16)
+    y = layer(x)
+    y.backward(dy)
+    dw, dx = linear.weight.grad.clone(), x.grad.clone()
+    linear.weight.grad, x.grad = None, None
+    y_plain = plain(x)
+    y_plain.backward(dy)
+    assert torch.equal(y, y_plain) and torch.equal(dx, x.grad)
+
+    (q_dy, s_dy), (q_x, s_x) = quantize_transposed(dy, torch.float8_e5m2), quantize_transposed(x.detach())
+    assert q_dy.shape == (64, 16) and q_x.shape == (96, 16) and q_dy[:, 13:].float().eq(0).all()
+    exact = (q_dy.double() * s_dy.double()) @ (q_x.double() * s_x.double()).T
+    assert dw.dtype == torch.bfloat16 and relative_error(dw, exact) < 4e-3
+    assert relative_error(dw, dy.double().T @ x.detach().double()) < 0.1  # 2 bits of mantissa for dy
+
+
 def test_the_layer_is_the_linear_it_replaced_and_casts_the_weight_as_it_is_now():
     linear = trained_linear(bias=True)
     parameters, state = list(linear.parameters()), linear.state_dict()
@@ -82,6 +104,29 @@ def test_a_model_trains_through_the_float8_layers_as_in_bf16():
     assert grads.keys() == grads0.keys()
     for name in grads:
         assert relative_error(grads[name], grads0[name]) < 0.25, name
+
+
+def test_a_model_trains_with_the_weight_gradients_in_float8_too():
+    model = make_model("llama", attention="sdpa", dtype=torch.bfloat16)
+    patch_model(model)
+    reference = copy.deepcopy(model)
+    assert train_in_float8(model, weight_grad=True) == 7 * LAYERS
+    assert all(m.weight_grad_in_float8 for m in model.modules() if isinstance(m, Float8TrainedLinear))
+    (loss, grads), (loss0, grads0) = loss_and_grads(model, batch()), loss_and_grads(reference, batch())
+    assert relative_error(loss, loss0) < 1e-2
+    for name in grads:
+        assert relative_error(grads[name], grads0[name]) < 0.15, name  # 0.097 measured
+
+
+def test_the_weight_gradient_in_float8_needs_ligertunes_layers(tmp_path):
+    sections = {"train": {"precision": "fp8", "device": "auto"}, "kernels": {"float8_weight_grad": True}}
+    with pytest.raises(UserError, match="kernels.float8_weight_grad: .*needs train.precision: fp8 and "
+                                        "kernels.float8_linear: true"):
+        load_recipe(write_recipe(tmp_path, **copy.deepcopy(sections)))
+    sections["kernels"]["float8_linear"] = True
+    assert load_recipe(write_recipe(tmp_path, **sections)).kernels.float8_weight_grad
+    with pytest.raises(UserError, match="kernels.float8_weight_grad"):
+        load_recipe(write_recipe(tmp_path, kernels={"float8_weight_grad": True}))  # bf16
 
 
 def test_a_recompute_skips_down_proj_and_checkpointing_changes_nothing(monkeypatch):
@@ -130,5 +175,8 @@ def test_the_run_and_bench_say_which_layers_multiply_in_float8(tmp_path):
     ours = load_recipe(write_recipe(tmp_path, train={"precision": "fp8"}, kernels={"float8_linear": True}))
     assert describe_float8(ours, model) == (f"{7 * LAYERS} linear layers multiply in float8 (ligertune's layers: "
                                             "a scale per output channel and per token, the weights' gradients in bf16)")
+    both = load_recipe(write_recipe(tmp_path, train={"precision": "fp8"},
+                                    kernels={"float8_linear": True, "float8_weight_grad": True}))
+    assert describe_float8(both, model).endswith("the weights' gradients in float8 (e5m2 and e4m3, a scale a tensor))")
     torchao = load_recipe(write_recipe(tmp_path, train={"precision": "fp8", "fp8_scaling": "rowwise"}))
     assert describe_float8(torchao, model).endswith("(torchao's layers, rowwise scales)")

@@ -119,9 +119,8 @@ def convert_to_float8(model: nn.Module, scaling: str = "tensorwise", *, emulate:
 def _scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                    out_dtype: torch.dtype) -> torch.Tensor:
     """(a scale_a) (b scale_b) for float8 `a` (m, k) and `b` (k, n), scales (m, 1) and (1, n), or one
-    for each tensor: on a
-    GPU the float8 tensor cores' GEMM; elsewhere the same product of the same float8 values in
-    float32 (torch's CPU float8 GEMM takes one scale per tensor in some releases)."""
+    for each tensor: on a GPU the float8 tensor cores' GEMM; elsewhere the same product of the same
+    float8 values in float32 (torch's CPU float8 GEMM takes one scale per tensor in some releases)."""
     if a.is_cuda:
         return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
     return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
@@ -264,8 +263,9 @@ class _Float8Weight:
 class _TrainedFloat8Matmul(torch.autograd.Function):
     """y = x W^T for a weight that trains (`Float8TrainedLinear`): the product and the gradient of x
     as float8 GEMMs, W cast at each (it changes every step); the gradient of W, dy^T x, in W's own
-    dtype from x as it came, or with `weight_grad_in_float8` a float8 GEMM too. `unneeded_in_recompute`: a recompute gets an uninitialized output
-    instead of the product (as `patching._ProductSkippedInRecompute`)."""
+    dtype from x as it came, or with `weight_grad_in_float8` a float8 GEMM too.
+    `unneeded_in_recompute`: a recompute gets an uninitialized output instead of the product (as
+    `patching._ProductSkippedInRecompute`)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, layer: Float8TrainedLinear,

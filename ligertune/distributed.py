@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TypeVar
@@ -84,7 +85,11 @@ def init_process_group(topology: Topology, device_type: str, *, timeout_minutes:
 
 
 def destroy_process_group() -> None:
+    """Leave the process group. Models sharded over it, and their meshes, that reference cycles still
+    hold are freed first, while Python runs: the group they hold would otherwise be torn down by
+    Python's shutdown, where gloo's threads can abort the process (SIGABRT)."""
     if dist.is_available() and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 

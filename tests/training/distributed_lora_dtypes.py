@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import torch
+from cli_runs import leave_launched_process
 from rich.console import Console
 
 from ligertune.distributed import (
@@ -57,3 +58,4 @@ if __name__ == "__main__":
         torch.save(result, out)
     finished_together()
     destroy_process_group()
+    leave_launched_process()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 
+from cli_runs import leave_launched_process
 from rich.console import Console
 from test_spikes import spike_at
 
@@ -24,3 +25,4 @@ if __name__ == "__main__":
     finally:
         cleanup(run)
         destroy_process_group()
+    leave_launched_process()

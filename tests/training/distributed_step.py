@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import torch
+from cli_runs import leave_launched_process
 from rich.console import Console
 
 from ligertune.distributed import (
@@ -52,3 +53,4 @@ if __name__ == "__main__":
         torch.save(results, out)
     finished_together()
     destroy_process_group()
+    leave_launched_process()

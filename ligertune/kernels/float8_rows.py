@@ -25,30 +25,24 @@ from ligertune.kernels.types import AMAX_FLOOR, FLOAT8, FLOAT8_MAX
 
 
 @triton.jit
-def _round_to_e4m3(v):
-    """v (float32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, still in float32, so
-    that the cast after it is exact: for Triton's interpreter, which rounds up without carrying into
-    the exponent (-31.51 became -16); a GPU's conversion rounds to nearest even itself, and skips
-    these dozen integer operations an element (`SOFTWARE_ROUNDING`). At 3 bits of mantissa from
-    2^-6 up (float32 keeps 23: add half a unit of the 20 dropped bits, plus the kept last bit for
-    ties, and clear them; a carry moves the exponent, as it should); below, e4m3 is subnormal, a
-    multiple of 2^-9 (adding and subtracting 1.5 * 2^14 leaves |v| rounded to that grid; the sign
-    kept, -0 included)."""
+def _round_to_float8(v, E5M2: tl.constexpr):
+    """v (float32, within the format's range) rounded to the nearest e4m3 value (or e5m2), ties to
+    even, still in float32, so that the cast after it is exact: for Triton's interpreter, which
+    rounds up without carrying into the exponent (-31.51 became -16 in e4m3); a GPU's conversion
+    rounds to nearest even itself, and skips these dozen integer operations an element
+    (`SOFTWARE_ROUNDING`). Normal values keep 3 bits of mantissa (e5m2: 2) of float32's 23: add half
+    a unit of the dropped bits, plus the kept last bit for ties, and clear them; a carry moves the
+    exponent, as it should. Below the smallest normal value, 2^-6 (2^-14), the format is subnormal,
+    a multiple of 2^-9 (2^-16): adding and subtracting 1.5 * 2^14 (1.5 * 2^7) leaves |v| rounded to
+    that grid, the sign kept, -0 included."""
+    dropped: tl.constexpr = 21 if E5M2 else 20
+    smallest_normal: tl.constexpr = 6.103515625e-05 if E5M2 else 0.015625
+    shift: tl.constexpr = 192.0 if E5M2 else 24576.0
+    half_unit: tl.constexpr = (1 << (dropped - 1)) - 1
     bits = v.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-    subnormal = (tl.abs(v) + 24576.0) - 24576.0
-    return tl.where(tl.abs(v) < 0.015625, tl.where(v < 0, -subnormal, subnormal), normal)
-
-
-@triton.jit
-def _round_to_e5m2(v):
-    """v (float32, |v| <= 57344) rounded to the nearest e5m2 value, ties to even, still in float32:
-    `_round_to_e4m3` at 2 bits of mantissa (21 dropped) from 2^-14 up; below, a multiple of 2^-16
-    (adding and subtracting 1.5 * 2^7)."""
-    bits = v.to(tl.int32, bitcast=True)
-    normal = ((bits + 0xFFFFF + ((bits >> 21) & 1)) & -0x200000).to(tl.float32, bitcast=True)
-    subnormal = (tl.abs(v) + 192.0) - 192.0
-    return tl.where(tl.abs(v) < 6.103515625e-05, tl.where(v < 0, -subnormal, subnormal), normal)
+    normal = ((bits + half_unit + ((bits >> dropped) & 1)) & -(1 << dropped)).to(tl.float32, bitcast=True)
+    subnormal = (tl.abs(v) + shift) - shift
+    return tl.where(tl.abs(v) < smallest_normal, tl.where(v < 0, -subnormal, subnormal), normal)
 
 
 @triton.jit
@@ -73,7 +67,7 @@ def _quantize_rows_kernel(x_ptr, col_scale_ptr, q_ptr, scale_ptr, n_cols, x_row_
             x = x * tl.load(col_scale_ptr + cols, mask=cols < n_cols, other=0.0)
         q = tl.clamp(x * factor, -FLOAT8_MAX, FLOAT8_MAX)
         if SOFTWARE_ROUNDING:
-            q = _round_to_e4m3(q)
+            q = _round_to_float8(q, False)
         q = q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
         tl.store(q_ptr + row * n_cols + cols, q, mask=cols < n_cols)
     tl.store(scale_ptr + row, row_amax / FLOAT8_MAX)
@@ -111,10 +105,7 @@ def _quantize_transposed_kernel(x_ptr, amax_ptr, q_ptr, rows, cols, padded_rows,
     x = tl.load(x_ptr + r[:, None] * x_row_stride + c[None, :], mask=inside, other=0.0).to(tl.float32)
     q = tl.clamp(x * factor, -FLOAT8_MAX, FLOAT8_MAX)  # the padding rows: zeros
     if SOFTWARE_ROUNDING:
-        if E5M2:
-            q = _round_to_e5m2(q)
-        else:
-            q = _round_to_e4m3(q)
+        q = _round_to_float8(q, E5M2)
     q = q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     written = (r[:, None] < padded_rows) & (c[None, :] < cols)
     tl.store(q_ptr + c[:, None] * padded_rows + r[None, :], tl.trans(q), mask=tl.trans(written))

@@ -3,7 +3,7 @@ in a process of its own, and says whether their difference exceeds the runs' own
 
     python3 scripts/alternate.py recipes/bench/llama-3.2-1b.yaml --steps 10 --rounds 2 \\
         --variant "bf16=--set train.precision=auto" \\
-        --variant "fp8=--set train.precision=fp8 --set kernels.float8_linear=true"
+        --variant "fp8=--set train.precision=fp8"
     python3 scripts/alternate.py recipes/bench/llama-3.1-8b-qlora.yaml --variant now= \\
         --variant "before=" --checkout before=../before   # the same setting at another commit
 

@@ -1,14 +1,14 @@
 """FP8 training (`train.precision: fp8`): the decoder's linear layers multiply in float8, the rest of
-the step as in bf16. Layers whose weights train go through torchao's float8 training, or with
-`kernels.float8_linear` become `Float8TrainedLinear` (below); frozen layers (the base of LoRA, a
+the step as in bf16. Layers whose weights train become `Float8TrainedLinear` (below; the default,
+`kernels.float8_linear`), or go through torchao's float8 training; frozen layers (the base of LoRA, a
 frozen model under Medusa heads) become `Float8FrozenLinear`.
 
-Each converted layer (torchao's `Float8Linear`) keeps its bf16 weight and, at every forward and
+Each of torchao's layers (`Float8Linear`) keeps its bf16 weight and, at every forward and
 backward, casts its two operands to float8 with a scale computed from their current absolute
 maximum (dynamic scaling: e4m3 for activations and weights, e5m2 for gradients), multiplies on the
 GPU's float8 tensor cores (`torch._scaled_mm`, H100-class GPUs: compute capability 8.9 or newer)
 and returns bf16. `fp8_scaling: tensorwise` takes one scale per tensor (the fastest);
-`rowwise` one per row, closer where rows differ in range.
+`rowwise` one per row.
 
 A frozen layer needs neither: its weight never changes, so `Float8FrozenLinear` casts it once, at
 conversion, to e4m3 with a scale per output channel and frees the bf16 weight (half the bytes); its

@@ -188,12 +188,12 @@ class KernelsConfig:
         "forward of the MLP. null: the MLP runs whole.",
     )
     float8_linear: bool = _field(
-        False,
+        True,
         "With `train.precision: fp8` over weights that train (a full fine-tune): ligertune's float8 "
-        "layers instead of torchao's. Each product and the input's gradient are float8 GEMMs, the "
-        "weight cast at each use with a scale per output channel and the input with a scale per token "
-        "(one Triton pass each); the weight's gradient is a bf16 GEMM; no torchao needed, and "
-        "`mlp_chunk_tokens` works (docs/fp8.md). `false`: torchao's float8 training (`train.fp8_scaling`).",
+        "layers. Each product and the input's gradient are float8 GEMMs, the weight cast at each use "
+        "with a scale per output channel and the input with a scale per token (one Triton pass each); "
+        "the weight's gradient is a bf16 GEMM; no torchao needed, and `mlp_chunk_tokens` works "
+        "(docs/fp8.md). `false`: torchao's float8 training (`train.fp8_scaling`), compiled.",
     )
     float8_weight_grad: bool = _field(
         False,
@@ -723,15 +723,16 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = _field("auto", "`auto`: CUDA when available, else CPU.")
     precision: Literal["auto", "fp8"] = _field(
         "auto", "`auto`: every matmul in `model.dtype`. `fp8`: the decoder's linear layers multiply in "
-        "float8 over bf16 weights: trained layers through torchao's float8 training (pip install "
-        "'ligertune[fp8]') or ligertune's (`kernels.float8_linear`), a frozen base (LoRA's) cast to "
-        "float8 once; an NVIDIA GPU of compute capability 8.9 or newer (H100-class), one process "
+        "float8 over bf16 weights: trained layers through ligertune's float8 layers "
+        "(`kernels.float8_linear`) or torchao's (pip install 'ligertune[fp8]'), a frozen base (LoRA's) "
+        "cast to float8 once; an NVIDIA GPU of compute capability 8.9 or newer (H100-class), one process "
         "(docs/fp8.md)."
     )
-    fp8_scaling: Literal["tensorwise", "rowwise"] = _field(
-        "tensorwise", "With `precision: fp8`, for layers whose weights train through torchao: one scale per "
-        "tensor (`tensorwise`, the fastest) or per row (`rowwise`). A frozen base, and ligertune's own "
-        "float8 layers (`kernels.float8_linear`), take a scale per token and per output channel."
+    fp8_scaling: Literal["tensorwise", "rowwise"] | None = _field(
+        None, "With `precision: fp8` through torchao's layers (`kernels.float8_linear: false`, over weights "
+        "that train): one scale per tensor (`tensorwise`, the fastest; null means it) or per row "
+        "(`rowwise`). ligertune's float8 layers and a frozen base take a scale per token and per output "
+        "channel, and refuse this key."
     )
     log_every: int = _field(1, "Write a metrics record every N optimizer steps.")
     eval_every: int | None = _field(None, "Evaluate on the held-out data every N steps (and at the end).")
@@ -898,6 +899,10 @@ class Recipe:
                 problems.append(("train.precision", f"fp8 runs over bf16 weights; model.dtype is "
                                  f"{self.model.dtype}: use bfloat16 (or auto)"))
             torchao_layers = self.trains_model_weights and not self.kernels.float8_linear
+            if self.train.fp8_scaling is not None and not torchao_layers:
+                problems.append(("train.fp8_scaling", "applies to torchao's float8 layers only "
+                                 "(kernels.float8_linear: false, over weights that train); ligertune's layers "
+                                 "and a frozen base scale each token and output channel: drop the key"))
             if self.kernels.mlp_chunk_tokens is not None and torchao_layers:
                 problems.append(("kernels.mlp_chunk_tokens", "not with train.precision: fp8 through torchao's "
                                  "layers, which run compiled: set kernels.float8_linear: true (ligertune's "

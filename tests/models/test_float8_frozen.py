@@ -230,13 +230,11 @@ def test_mlps_in_chunks_run_over_a_float8_base_as_whole_ones():
         assert relative_error(got[name], want[name]) < 1e-2, name
 
 
-def test_mlp_chunks_with_fp8_are_refused_only_where_weights_train(tmp_path):
-    from ligertune.errors import UserError
-
+def test_mlp_chunks_with_fp8_are_taken_over_a_frozen_base(tmp_path):
+    """(Over weights that train, only torchao's layers refuse them: test_float8_trained.py.)"""
     sections = {"model": {"dtype": "bfloat16"}, "kernels": {"mlp_chunk_tokens": 64}}
-    load_recipe(write_recipe(tmp_path / "lora", lora={"r": 4}, **sections), ["train.precision=fp8"])
-    with pytest.raises(UserError, match="kernels.mlp_chunk_tokens"):
-        load_recipe(write_recipe(tmp_path / "full", **sections), ["train.precision=fp8"])
+    recipe = load_recipe(write_recipe(tmp_path, lora={"r": 4}, **sections), ["train.precision=fp8"])
+    assert recipe.kernels.mlp_chunk_tokens == 64
 
 
 def test_a_layer_that_lora_copies_to_train_keeps_its_original():

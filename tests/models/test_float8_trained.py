@@ -119,11 +119,12 @@ def test_a_model_trains_with_the_weight_gradients_in_float8_too():
 
 
 def test_the_weight_gradient_in_float8_needs_ligertunes_layers(tmp_path):
-    sections = {"train": {"precision": "fp8", "device": "auto"}, "kernels": {"float8_weight_grad": True}}
+    sections = {"train": {"precision": "fp8", "device": "auto"},
+                "kernels": {"float8_weight_grad": True, "float8_linear": False}}
     with pytest.raises(UserError, match="kernels.float8_weight_grad: .*needs train.precision: fp8 and "
                                         "kernels.float8_linear: true"):
         load_recipe(write_recipe(tmp_path, **copy.deepcopy(sections)))
-    sections["kernels"]["float8_linear"] = True
+    del sections["kernels"]["float8_linear"]  # ligertune's layers: the default
     assert load_recipe(write_recipe(tmp_path, **sections)).kernels.float8_weight_grad
     with pytest.raises(UserError, match="kernels.float8_weight_grad"):
         load_recipe(write_recipe(tmp_path, kernels={"float8_weight_grad": True}))  # bf16
@@ -160,11 +161,24 @@ def test_a_recompute_skips_down_proj_and_checkpointing_changes_nothing(monkeypat
 
 
 def test_the_mlp_in_chunks_is_refused_only_with_torchaos_layers(tmp_path):
-    sections = {"train": {"precision": "fp8", "device": "auto"}, "kernels": {"mlp_chunk_tokens": 64}}
+    sections = {"train": {"precision": "fp8", "device": "auto"},
+                "kernels": {"mlp_chunk_tokens": 64, "float8_linear": False}}
     with pytest.raises(UserError, match="kernels.mlp_chunk_tokens: not with train.precision: fp8 through torchao"):
         load_recipe(write_recipe(tmp_path, **copy.deepcopy(sections)))
-    sections["kernels"]["float8_linear"] = True
-    assert load_recipe(write_recipe(tmp_path, **sections)).kernels.float8_linear
+    del sections["kernels"]["float8_linear"]
+    assert load_recipe(write_recipe(tmp_path, **sections)).kernels.float8_linear  # the default
+
+
+@pytest.mark.parametrize("sections", [
+    {"train": {"precision": "fp8", "fp8_scaling": "tensorwise"}},
+    {"train": {"precision": "fp8", "fp8_scaling": "rowwise"}, "lora": {"r": 4}},
+], ids=["ligertune's layers", "a frozen base"])
+def test_torchaos_scaling_is_refused_where_torchaos_layers_do_not_run(tmp_path, sections):
+    with pytest.raises(UserError, match="train.fp8_scaling: applies to torchao's float8 layers only"):
+        load_recipe(write_recipe(tmp_path, **sections))
+    sections["kernels"] = {"float8_linear": False}
+    if "lora" not in sections:
+        assert load_recipe(write_recipe(tmp_path, **sections)).train.fp8_scaling == "tensorwise"
 
 
 def test_the_run_and_bench_say_which_layers_multiply_in_float8(tmp_path):
@@ -172,11 +186,13 @@ def test_the_run_and_bench_say_which_layers_multiply_in_float8(tmp_path):
 
     model = make_model("llama", attention="sdpa", dtype=torch.bfloat16)
     train_in_float8(model)
-    ours = load_recipe(write_recipe(tmp_path, train={"precision": "fp8"}, kernels={"float8_linear": True}))
+    ours = load_recipe(write_recipe(tmp_path, train={"precision": "fp8"}))  # ligertune's layers: the default
     assert describe_float8(ours, model) == (f"{7 * LAYERS} linear layers multiply in float8 (ligertune's layers: "
                                             "a scale per output channel and per token, the weights' gradients in bf16)")
-    both = load_recipe(write_recipe(tmp_path, train={"precision": "fp8"},
-                                    kernels={"float8_linear": True, "float8_weight_grad": True}))
+    both = load_recipe(write_recipe(tmp_path, train={"precision": "fp8"}, kernels={"float8_weight_grad": True}))
     assert describe_float8(both, model).endswith("the weights' gradients in float8 (e5m2 and e4m3, a scale a tensor))")
-    torchao = load_recipe(write_recipe(tmp_path, train={"precision": "fp8", "fp8_scaling": "rowwise"}))
+    torchao = load_recipe(write_recipe(tmp_path, train={"precision": "fp8", "fp8_scaling": "rowwise"},
+                                       kernels={"float8_linear": False}))
     assert describe_float8(torchao, model).endswith("(torchao's layers, rowwise scales)")
+    torchao = load_recipe(write_recipe(tmp_path, train={"precision": "fp8"}, kernels={"float8_linear": False}))
+    assert describe_float8(torchao, model).endswith("(torchao's layers, tensorwise scales)")

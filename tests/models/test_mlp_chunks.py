@@ -135,7 +135,7 @@ def problems(**sections) -> list[str]:
     ({"kernels": {"mlp_chunk_tokens": 0}}, "kernels.mlp_chunk_tokens: must be >= 1 or null, got 0"),
     ({"kernels": {"mlp_chunk_tokens": 4096, "swiglu": False}},
      "kernels.mlp_chunk_tokens: chunks the SwiGLU kernel's MLPs: needs `swiglu: true`"),
-    ({"kernels": {"mlp_chunk_tokens": 4096}, "train": {"precision": "fp8"}},
+    ({"kernels": {"mlp_chunk_tokens": 4096, "float8_linear": False}, "train": {"precision": "fp8"}},
      "kernels.mlp_chunk_tokens: not with train.precision: fp8"),
 ])
 def test_a_chunk_the_recipe_cannot_use_is_named(sections, message):

@@ -95,12 +95,15 @@ def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tup
 
 
 @triton.jit
-def _quantize_transposed_kernel(x_ptr, amax_ptr, q_ptr, rows, cols, padded_rows, x_row_stride,
+def _quantize_transposed_kernel(x_ptr, amax_ptr, q_ptr, scale_ptr, rows, cols, padded_rows, x_row_stride,
                                 FLOAT8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr, E5M2: tl.constexpr,
                                 SOFTWARE_ROUNDING: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     c = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    factor = FLOAT8_MAX / tl.maximum(tl.load(amax_ptr), AMAX_FLOOR)
+    amax = tl.maximum(tl.load(amax_ptr).to(tl.float32), AMAX_FLOOR)  # in x's dtype: exact in float32
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(scale_ptr, amax / FLOAT8_MAX)
+    factor = FLOAT8_MAX / amax
     inside = (r[:, None] < rows) & (c[None, :] < cols)
     x = tl.load(x_ptr + r[:, None] * x_row_stride + c[None, :], mask=inside, other=0.0).to(tl.float32)
     q = tl.clamp(x * factor, -FLOAT8_MAX, FLOAT8_MAX)  # the padding rows: zeros
@@ -114,21 +117,25 @@ def _quantize_transposed_kernel(x_ptr, amax_ptr, q_ptr, rows, cols, padded_rows,
 def quantize_transposed(x: torch.Tensor, dtype: torch.dtype, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [cols, rows padded] in `dtype`, scale: a float32 scalar) of a 2-D `x`, x^T ~ q * scale:
     one scale for the whole tensor, its largest magnitude over the format's largest (amax, in torch's
-    reduction, then one Triton pass of tiles cast and written transposed); the padding zeros."""
+    reduction, then one Triton pass of tiles cast and written transposed, which writes the scale
+    too); the padding zeros."""
     if x.stride(1) != 1:
         x = x.contiguous()
     rows, cols = x.shape
     padded_rows = -(-rows // multiple) * multiple
     largest = torch.finfo(dtype).max
-    amax = torch.linalg.vector_norm(x, float("inf")).float()  # max |x|: exact in x's own dtype
+    amax = torch.linalg.vector_norm(x, float("inf"))  # max |x|, one reduction
     q = torch.empty(cols, padded_rows, dtype=dtype, device=x.device)
-    if q.numel():
+    scale = torch.empty((), dtype=torch.float32, device=x.device)
+    if not q.numel():
+        scale.fill_(AMAX_FLOOR / largest)
+    else:
         block = 64
         _quantize_transposed_kernel[(triton.cdiv(padded_rows, block), triton.cdiv(cols, block))](
-            x, amax, q, rows, cols, padded_rows, x.stride(0), FLOAT8_MAX=largest, AMAX_FLOOR=AMAX_FLOOR,
+            x, amax, q, scale, rows, cols, padded_rows, x.stride(0), FLOAT8_MAX=largest, AMAX_FLOOR=AMAX_FLOOR,
             E5M2=dtype == torch.float8_e5m2, SOFTWARE_ROUNDING=x.device.type != "cuda", BLOCK=block,
             num_warps=4)
-    return q, amax.clamp_min(AMAX_FLOOR) / largest
+    return q, scale
 
 
 @triton.jit

@@ -7,6 +7,7 @@ The choice is made per call from the inputs' device, so one process can hold CPU
 from __future__ import annotations
 
 import os
+from typing import Sequence
 
 import torch
 
@@ -145,10 +146,13 @@ def lion_step(params, grads, moments, *, lr: float, beta1: float = 0.9, beta2: f
     impl(params, grads, moments, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
 
 
-def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor | Sequence[torch.Tensor],
+                  col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A 2-D tensor to float8 (e4m3) with one scale per row: (q, scale [rows] float32), x ~ q * scale
-    (times `col_scale` elementwise first, when given); see `float8_rows`."""
-    return _impl("quantize_rows", x.device)(x, col_scale)
+    (times `col_scale` elementwise first, when given); see `float8_rows`. Several 2-D tensors of one
+    width (a list): their rows as if stacked, without a copy that stacks them."""
+    device = x.device if isinstance(x, torch.Tensor) else x[0].device
+    return _impl("quantize_rows", device)(x, col_scale)
 
 
 def quantize_transposed(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn,

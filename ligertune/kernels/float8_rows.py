@@ -17,6 +17,9 @@ pass over the tensor in device memory, where the same in torch's eager ops is fi
 
 from __future__ import annotations
 
+import itertools
+from typing import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -46,11 +49,18 @@ def _round_to_float8(v, E5M2: tl.constexpr):
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, col_scale_ptr, q_ptr, scale_ptr, n_cols, x_row_stride,
+def _quantize_rows_kernel(x_ptr, x1_ptr, x2_ptr, col_scale_ptr, q_ptr, scale_ptr, n_cols, x_row_stride,
+                          x1_row_stride, x2_row_stride, x1_start, x2_start, PARTS: tl.constexpr,
                           HAS_COL_SCALE: tl.constexpr, BLOCK: tl.constexpr, FLOAT8_MAX: tl.constexpr,
                           AMAX_FLOOR: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
+    if PARTS > 1:  # rows of the second matrix, then of the third, from their own pointers
+        if row >= x1_start:
+            x_row = x1_ptr + (row - x1_start) * x1_row_stride
+        if PARTS > 2:
+            if row >= x2_start:
+                x_row = x2_ptr + (row - x2_start) * x2_row_stride
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
@@ -73,23 +83,38 @@ def _quantize_rows_kernel(x_ptr, col_scale_ptr, q_ptr, scale_ptr, n_cols, x_row_
     tl.store(scale_ptr + row, row_amax / FLOAT8_MAX)
 
 
-def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q [rows, cols] e4m3, scale [rows] float32) of a 2-D `x`; see the module docstring."""
-    if x.dim() != 2:
-        raise ValueError(f"quantize_rows: expected a 2-D tensor, got shape {tuple(x.shape)}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    rows, cols = x.shape
-    q = torch.empty(rows, cols, dtype=FLOAT8, device=x.device)
-    scale = torch.empty(rows, dtype=torch.float32, device=x.device)
+MAX_PARTS = 3
+"""Matrices that `quantize_rows` reads from their own places in one launch (q, k and v); more, or of
+different dtypes, are joined by a copy first."""
+
+
+def quantize_rows(x: torch.Tensor | Sequence[torch.Tensor],
+                  col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [rows, cols] e4m3, scale [rows] float32) of a 2-D `x`, or of the rows of several matrices
+    of one width as if stacked (one launch); see the module docstring."""
+    parts = [x] if isinstance(x, torch.Tensor) else list(x)
+    if len(parts) > MAX_PARTS or len({p.dtype for p in parts}) > 1:
+        parts = [torch.cat(parts)]
+    if any(p.dim() != 2 for p in parts) or len({p.shape[1] for p in parts}) != 1:
+        shapes = ", ".join(str(tuple(p.shape)) for p in parts)
+        raise ValueError(f"quantize_rows: expected 2-D tensors of one width, got shapes {shapes}")
+    parts = [p if p.stride(1) == 1 else p.contiguous() for p in parts]
+    starts = list(itertools.accumulate(p.shape[0] for p in parts))
+    rows, cols = starts[-1], parts[0].shape[1]
+    first = parts[0]
+    q = torch.empty(rows, cols, dtype=FLOAT8, device=first.device)
+    scale = torch.empty(rows, dtype=torch.float32, device=first.device)
     if col_scale is not None:
         col_scale = col_scale.float().contiguous()
     if rows:
         block = min(triton.next_power_of_2(cols), 4096)
+        x1, x2 = (parts[1:] + [first, first])[:2]  # the pointers a kernel of fewer parts never reads
+        x1_start, x2_start = (starts + [rows])[:2]
         _quantize_rows_kernel[(rows,)](
-            x, col_scale if col_scale is not None else scale, q, scale, cols, x.stride(0),
+            first, x1, x2, col_scale if col_scale is not None else scale, q, scale, cols, first.stride(0),
+            x1.stride(0), x2.stride(0), x1_start, x2_start, PARTS=len(parts),
             HAS_COL_SCALE=col_scale is not None, BLOCK=block, FLOAT8_MAX=FLOAT8_MAX, AMAX_FLOOR=AMAX_FLOOR,
-            SOFTWARE_ROUNDING=x.device.type != "cuda", num_warps=8 if block >= 2048 else 4,
+            SOFTWARE_ROUNDING=first.device.type != "cuda", num_warps=8 if block >= 2048 else 4,
         )
     return q, scale
 

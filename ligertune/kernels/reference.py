@@ -16,6 +16,7 @@ gradient. The tests hold both paths to an unchunked float64 definition, and the 
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 
@@ -459,11 +460,16 @@ def lion_step(
 # ---------------------------------------------------------------------------------------------
 
 
-def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q [rows, cols] e4m3, scale [rows] float32) of a 2-D `x`, `float8_rows.quantize_rows`'s
-    formula: q = e4m3(x E / amax), scale = amax / E per row, x first times `col_scale` when given."""
-    if x.dim() != 2:
-        raise ValueError(f"quantize_rows: expected a 2-D tensor, got shape {tuple(x.shape)}")
+def quantize_rows(x: torch.Tensor | Sequence[torch.Tensor],
+                  col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [rows, cols] e4m3, scale [rows] float32) of a 2-D `x` (or of several stacked),
+    `float8_rows.quantize_rows`'s formula: q = e4m3(x E / amax), scale = amax / E per row, x first
+    times `col_scale` when given."""
+    parts = [x] if isinstance(x, torch.Tensor) else list(x)
+    if any(p.dim() != 2 for p in parts) or len({p.shape[1] for p in parts}) != 1:
+        shapes = ", ".join(str(tuple(p.shape)) for p in parts)
+        raise ValueError(f"quantize_rows: expected 2-D tensors of one width, got shapes {shapes}")
+    x = torch.cat(parts) if len(parts) > 1 else parts[0]
     xf = x.float() if col_scale is None else x.float() * col_scale.float()
     amax = xf.abs().amax(dim=1, keepdim=True).clamp_min(AMAX_FLOOR)
     q = (xf * (FLOAT8_MAX / amax)).clamp_(-FLOAT8_MAX, FLOAT8_MAX).to(FLOAT8)

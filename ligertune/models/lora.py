@@ -187,35 +187,62 @@ def shared_lora_a(x: torch.Tensor, weights: list[torch.Tensor]) -> tuple[torch.T
     return u.split([w.shape[0] for w in weights], dim=-1)
 
 
-class _SharedInput:
+class OneInputParts:
+    """Parts computed at once for layers that read one input, handed out one by one: `take(kind,
+    index, x, compute)` for a tensor x first computes every layer's part (`compute()`, in the layers'
+    order) and keeps the others' until they are asked for with that same x (checked by identity and
+    version counter, so any other input is computed afresh); the last one taken releases x. `kind`
+    tells apart parts of different sorts computed from one x."""
+
+    def __init__(self):
+        self._release()
+
+    def waiting_for(self, kind: str, index: int, x: torch.Tensor) -> bool:
+        return (self._x is x and x._version == self._version and self._kind == kind
+                and self._waiting[index] is not None)
+
+    def take(self, kind: str, index: int, x: torch.Tensor, compute) -> torch.Tensor:
+        if self.waiting_for(kind, index, x):
+            part, self._waiting[index] = self._waiting[index], None
+            if all(p is None for p in self._waiting):
+                self._release()
+            return part
+        parts = list(compute())
+        part, parts[index] = parts[index], None
+        self._release()
+        if len(parts) > 1:
+            self._x, self._version, self._waiting, self._kind = x, x._version, parts, kind
+        return part
+
+    def _release(self) -> None:
+        self._x, self._version, self._waiting, self._kind = None, -1, [], ""
+
+
+class _SharedInput(OneInputParts):
     """LoRA layers of one block that read the same input, in the order of `SHARED_INPUTS`.
 
     `product(i, x)` returns layer i's x_a A_i^T; `output(i, x)` layer i's whole output, where the
     group's adapters sum in place over base layers it can run as one (`_outputs`; else None). The
-    first call for a tensor x computes the parts of every layer of the group and keeps the others'
-    until they are asked for with that same x; the last one taken releases x.
+    first call for a tensor x computes the parts of every layer of the group (`OneInputParts`).
     """
 
     def __init__(self, members: list[tuple[nn.Module, str]], *, base_unneeded_in_recompute: bool = False):
+        super().__init__()
         self.members = members
         # A recompute under gradient checkpointing runs this group without its base products
         # (`patch_lora`: down_proj, where nothing after it keeps the layer's output): its outputs
         # are then s U_i B_i^T added to uninitialized memory, which nothing reads.
         self.base_unneeded_in_recompute = base_unneeded_in_recompute
-        self._x: torch.Tensor | None = None
-        self._version = -1
-        self._waiting: list[torch.Tensor | None] = []
-        self._kind = ""  # of the parts waiting: "product" or "output"
 
     def product(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        return self._take("product", index, x,
-                          lambda: shared_lora_a(x, [m.lora_A[a].weight for m, a in self.members]))
+        return self.take("product", index, x,
+                         lambda: shared_lora_a(x, [m.lora_A[a].weight for m, a in self.members]))
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
-        if self._waiting_for("output", index, x):
-            return self._take("output", index, x, None)
+        if self.waiting_for("output", index, x):
+            return self.take("output", index, x, None)
         compute = self._outputs(x)
-        return None if compute is None else self._take("output", index, x, compute)
+        return None if compute is None else self.take("output", index, x, compute)
 
     def _outputs(self, x: torch.Tensor):
         """What computes every member's whole output from x at once, or None where the group's
@@ -243,26 +270,6 @@ class _SharedInput:
 
     def _base_needed(self) -> bool:
         return not (self.base_unneeded_in_recompute and recomputing())
-
-    def _waiting_for(self, kind: str, index: int, x: torch.Tensor) -> bool:
-        return (self._x is x and x._version == self._version and self._kind == kind
-                and self._waiting[index] is not None)
-
-    def _take(self, kind: str, index: int, x: torch.Tensor, compute) -> torch.Tensor:
-        if self._waiting_for(kind, index, x):
-            part, self._waiting[index] = self._waiting[index], None
-            if all(p is None for p in self._waiting):
-                self._release()
-            return part
-        parts = list(compute())
-        part, parts[index] = parts[index], None
-        self._release()
-        if len(parts) > 1:
-            self._x, self._version, self._waiting, self._kind = x, x._version, parts, kind
-        return part
-
-    def _release(self) -> None:
-        self._x, self._version, self._waiting, self._kind = None, -1, [], ""
 
 
 def _joined_outputs(members: list[tuple[nn.Module, str]], siblings, x: torch.Tensor,

@@ -4,8 +4,8 @@ products of the dequantized operands, computed on the GPU), and close to bf16's.
 float8 GEMM is a reference implementation; here it is cuBLAS's, whose operand layouts and scale
 shapes the CPU does not check. The same for a layer whose weight trains (`Float8TrainedLinear`),
 its weight gradient in float8 included.
-Siblings joined into one float8 GEMM (q, k, v; gate, up), with the patched kernels (SwiGLU's row
-kernels over gate and up side by side), train as the layers apart.
+Siblings joined into one float8 GEMM (q, k, v; gate, up), frozen under LoRA or trained, with the
+patched kernels (SwiGLU's row kernels over gate and up side by side), train as the layers apart.
 
     TRITON_INTERPRET=0 python -m pytest -m gpu tests/gpu/test_gpu_float8_frozen.py -q
 """
@@ -17,11 +17,13 @@ import copy
 import pytest
 import torch
 from test_gpu_fast_lora import loss_and_grads, with_adapters
-from test_gpu_models import SMALL_LLAMA
+from test_gpu_models import SMALL_LLAMA, small_llama
 
 from ligertune.kernels import quantize_rows, quantize_transposed
 from ligertune.models import patch_model, unpatch_model
-from ligertune.models.float8 import Float8FrozenLinear, Float8TrainedLinear, freeze_to_float8
+from ligertune.models.float8 import (
+    Float8FrozenLinear, Float8TrainedGroup, Float8TrainedLinear, freeze_to_float8, train_in_float8,
+)
 from ligertune.models.lora import patch_lora
 from ligertune.numerics import relative_error
 
@@ -105,6 +107,32 @@ def test_joined_siblings_under_fast_lora_train_as_the_layers_apart():
     assert relative_error(grads_j, grads_a) < 5e-2
     # other float8 roundings of the same values (one scale a token for a group's output gradients):
     # as far from the bf16 base's gradients as the layers apart are
+    assert relative_error(grads_j, grads_b) <= 1.2 * relative_error(grads_a, grads_b)
+
+
+def test_joined_trained_siblings_train_as_the_layers_apart():
+    """Full fine-tuning in float8 (`train_in_float8`): q, k and v, and gate and up, as one float8 GEMM
+    each (`Float8TrainedGroup`), with the patched kernels, train as the layers apart, and as far from
+    bf16."""
+    bf16 = small_llama(torch.bfloat16)
+    joined = copy.deepcopy(bf16)
+    train_in_float8(joined)
+    apart = copy.deepcopy(joined)
+    for layer in apart.modules():
+        if isinstance(layer, Float8TrainedLinear):
+            Float8TrainedGroup([layer])  # each layer its own GEMM
+    models = (bf16, joined, apart)
+    ids = torch.randint(0, SMALL_LLAMA["vocab_size"], (2, 1024), device="cuda",
+                        generator=torch.Generator(device="cuda").manual_seed(1))
+    try:
+        for model in models:
+            patch_model(model)
+        (loss_b, grads_b), (loss_j, grads_j), (loss_a, grads_a) = (loss_and_grads(m, ids) for m in models)
+    finally:
+        for model in models:
+            unpatch_model(model)
+    assert relative_error(loss_j, loss_a) < 5e-3
+    assert relative_error(grads_j, grads_a) < 5e-2
     assert relative_error(grads_j, grads_b) <= 1.2 * relative_error(grads_a, grads_b)
 
 

@@ -77,9 +77,24 @@ def test_rounding_is_to_nearest_ties_to_even_across_binades(kernel_path):
     assert expected.float()[0, :4].tolist() == [448.0, 32.0, 32.0, 30.0]  # 31 is halfway: to even
 
 
+@pytest.mark.parametrize("heights", [(5, 2), (7, 3, 3), (2, 1, 4, 3)], ids=["two", "three", "four"])
+def test_several_matrices_are_cast_as_their_rows_stacked(kernel_path, heights):
+    """q, k and v's weights cast as one, each read from its own place (rows of any stride): the values
+    and scales of their stack, bit for bit."""
+    wide = rows_of_many_ranges(sum(heights), 500, torch.bfloat16)
+    parts = list(wide.split(heights))
+    parts[-1] = rows_of_many_ranges(heights[-1], 700, torch.bfloat16)[:, 100:600]  # rows 700 apart
+    q, scale = quantize_rows(parts)
+    q_stacked, scale_stacked = quantize_rows(torch.cat(parts))
+    assert torch.equal(q.view(torch.uint8), q_stacked.view(torch.uint8)) and torch.equal(scale, scale_stacked)
+    assert_within_rounding(torch.cat(parts), q, scale)
+
+
 def test_only_matrices(kernel_path):
     with pytest.raises(ValueError, match="2-D"):
         quantize_rows(torch.ones(2, 3, 4, device=DEVICE))
+    with pytest.raises(ValueError, match=r"one width, got shapes \(2, 3\), \(2, 4\)"):
+        quantize_rows([torch.ones(2, 3, device=DEVICE), torch.ones(2, 4, device=DEVICE)])
 
 
 @pytest.mark.parametrize("shape", [(64, 64), (100, 37), (1, 300), (130, 1), (0, 5)])

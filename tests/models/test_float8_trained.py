@@ -20,7 +20,7 @@ import ligertune.models.float8 as float8
 from ligertune.errors import UserError
 from ligertune.kernels import quantize_rows, quantize_transposed
 from ligertune.models import patch_model
-from ligertune.models.float8 import Float8TrainedLinear, float8_layers, train_in_float8
+from ligertune.models.float8 import Float8TrainedGroup, Float8TrainedLinear, float8_layers, train_in_float8
 from ligertune.numerics import relative_error
 from ligertune.recipe import load_recipe
 
@@ -154,10 +154,68 @@ def test_a_recompute_skips_down_proj_and_checkpointing_changes_nothing(monkeypat
         runs.append((products.count((config.hidden_size, config.intermediate_size)), len(products), loss, grads))
     (down, total, loss, grads), (down_c, total_c, loss_c, grads_c) = runs
     assert down == down_c == LAYERS
+    assert total == 4 * LAYERS  # q, k and v as one; o; gate and up as one; down
     assert total_c == 2 * total - LAYERS  # every other product runs again in the recompute
     assert torch.equal(loss, loss_c) and grads.keys() == grads_c.keys()
     for name in grads:
         assert torch.equal(grads[name], grads_c[name]), name
+
+
+def layers_apart(model: torch.nn.Module) -> torch.nn.Module:
+    for layer in model.modules():
+        if isinstance(layer, Float8TrainedLinear):
+            Float8TrainedGroup([layer])
+    return model
+
+
+def test_siblings_multiply_as_one_and_train_as_the_layers_apart():
+    """q, k and v, and gate and up, are joined: one float8 product and one backward node for each
+    group, the weights cast as one. The products are those of the layers apart (the same scales a
+    token and a channel); the gradients differ by the output gradients' cast, a scale a token over
+    the group's columns."""
+    model = make_model("llama", attention="sdpa", dtype=torch.bfloat16)
+    patch_model(model)
+    reference = copy.deepcopy(model)
+    train_in_float8(model)
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert attention.q_proj.group.layers == (attention.q_proj, attention.k_proj, attention.v_proj)
+    assert mlp.gate_proj.group.layers == (mlp.gate_proj, mlp.up_proj)
+    assert attention.o_proj.group.layers == (attention.o_proj,) and mlp.down_proj.group.layers == (mlp.down_proj,)
+    apart = layers_apart(copy.deepcopy(model))
+    (loss, grads), (loss_a, grads_a), (loss0, grads0) = (loss_and_grads(m, batch()) for m in (model, apart, reference))
+    assert relative_error(loss, loss_a) < 1e-3
+    for name in grads:
+        assert relative_error(grads[name], grads_a[name]) < 0.1, name
+        assert relative_error(grads[name], grads0[name]) < 0.25, name  # as far from bf16 as the layers apart
+
+
+def test_a_recompute_hands_its_weights_cast_to_the_backward(monkeypatch):
+    """Under checkpointing a group's weights are cast in the forward and in the recompute, whose cast
+    serves the backward right after it: twice a step, as without checkpointing. A cast kept from
+    another backward, or from weights changed since, is not used."""
+    from ligertune.training.build import enable_gradient_checkpointing
+
+    casts = []
+    original = Float8TrainedGroup.cast_weights
+    monkeypatch.setattr(Float8TrainedGroup, "cast_weights", lambda group: casts.append(group) or original(group))
+    for checkpointed in (False, True):
+        model = make_model("llama", attention="sdpa", dtype=torch.bfloat16)
+        patch_model(model)
+        train_in_float8(model)
+        if checkpointed:
+            enable_gradient_checkpointing(model)
+        model.train()
+        casts.clear()
+        loss_and_grads(model, batch())
+        assert len(casts) == 2 * 4 * LAYERS, checkpointed  # down_proj's recompute skips its product
+
+    group = model.model.layers[0].self_attn.q_proj.group
+    kept = group.cast_weights()
+    group.keep_for_backward(kept)
+    assert group.kept_or_cast() is kept and group.kept_or_cast() is not kept  # taken once
+    group.keep_for_backward(kept)
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert group.kept_or_cast() is not kept
 
 
 def test_the_mlp_in_chunks_is_refused_only_with_torchaos_layers(tmp_path):

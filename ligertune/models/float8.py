@@ -27,7 +27,8 @@ decoder layer instead of 7, with as many casts, transposes and autograd nodes fe
 `Float8TrainedLinear` multiplies as a frozen layer does, for a weight that trains: the weight is
 cast at each use (it changes every step), and its gradient dy^T x is a GEMM in bf16 over x as it came,
 or (`kernels.float8_weight_grad`) a float8 GEMM of dy in e5m2 and x in e4m3, one scale a tensor, both
-cast transposed (the GEMM's inner side is the tokens).
+cast transposed (the GEMM's inner side is the tokens). Its siblings (q, k, v; gate, up) multiply as
+one, from weights cast as one where they lie (`Float8TrainedGroup`).
 
 What stays in bf16: the embeddings, the norms, attention, the output projection (read by the fused
 linear cross-entropy as one matrix) and the LoRA adapters (small: their GEMMs are not where the time

@@ -84,6 +84,28 @@ def test_the_trained_layers_float8_products_at_1b_shapes(n_in, n_out):
     assert torch.equal(layer.weight.grad, dy.t() @ x.detach())
 
 
+def assert_joined_train_as_apart(bf16: torch.nn.Module, joined: torch.nn.Module, apart: torch.nn.Module,
+                                 lora: bool) -> None:
+    """One step of each, with the patched kernels (and the fast LoRA forward): the joined siblings'
+    loss and gradients those of the layers apart, within float8's other roundings of the same values
+    (one scale a token for a group's output gradients), and as far from bf16's."""
+    models = (bf16, joined, apart)
+    ids = torch.randint(0, SMALL_LLAMA["vocab_size"], (2, 1024), device="cuda",
+                        generator=torch.Generator(device="cuda").manual_seed(1))
+    try:
+        for model in models:
+            patch_model(model)
+            if lora:
+                patch_lora(model)
+        (loss_b, grads_b), (loss_j, grads_j), (loss_a, grads_a) = (loss_and_grads(m, ids) for m in models)
+    finally:  # the patches rebind names in the modeling module, for every later model of its family
+        for model in models:
+            unpatch_model(model)
+    assert relative_error(loss_j, loss_a) < 5e-3
+    assert relative_error(grads_j, grads_a) < 5e-2
+    assert relative_error(grads_j, grads_b) <= 1.2 * relative_error(grads_a, grads_b)
+
+
 def test_joined_siblings_under_fast_lora_train_as_the_layers_apart():
     bf16 = with_adapters(torch.bfloat16)
     joined = copy.deepcopy(bf16)
@@ -92,28 +114,12 @@ def test_joined_siblings_under_fast_lora_train_as_the_layers_apart():
     for layer in apart.modules():
         if isinstance(layer, Float8FrozenLinear):
             layer.siblings = None  # each layer its own GEMM, over the same float8 weights
-    models = (bf16, joined, apart)
-    ids = torch.randint(0, SMALL_LLAMA["vocab_size"], (2, 1024), device="cuda",
-                        generator=torch.Generator(device="cuda").manual_seed(1))
-    try:
-        for model in models:
-            patch_model(model)
-            patch_lora(model)
-        (loss_b, grads_b), (loss_j, grads_j), (loss_a, grads_a) = (loss_and_grads(m, ids) for m in models)
-    finally:  # the patches rebind names in the modeling module, for every later model of its family
-        for model in models:
-            unpatch_model(model)
-    assert relative_error(loss_j, loss_a) < 5e-3
-    assert relative_error(grads_j, grads_a) < 5e-2
-    # other float8 roundings of the same values (one scale a token for a group's output gradients):
-    # as far from the bf16 base's gradients as the layers apart are
-    assert relative_error(grads_j, grads_b) <= 1.2 * relative_error(grads_a, grads_b)
+    assert_joined_train_as_apart(bf16, joined, apart, lora=True)
 
 
 def test_joined_trained_siblings_train_as_the_layers_apart():
     """Full fine-tuning in float8 (`train_in_float8`): q, k and v, and gate and up, as one float8 GEMM
-    each (`Float8TrainedGroup`), with the patched kernels, train as the layers apart, and as far from
-    bf16."""
+    each (`Float8TrainedGroup`)."""
     bf16 = small_llama(torch.bfloat16)
     joined = copy.deepcopy(bf16)
     train_in_float8(joined)
@@ -121,19 +127,7 @@ def test_joined_trained_siblings_train_as_the_layers_apart():
     for layer in apart.modules():
         if isinstance(layer, Float8TrainedLinear):
             Float8TrainedGroup([layer])  # each layer its own GEMM
-    models = (bf16, joined, apart)
-    ids = torch.randint(0, SMALL_LLAMA["vocab_size"], (2, 1024), device="cuda",
-                        generator=torch.Generator(device="cuda").manual_seed(1))
-    try:
-        for model in models:
-            patch_model(model)
-        (loss_b, grads_b), (loss_j, grads_j), (loss_a, grads_a) = (loss_and_grads(m, ids) for m in models)
-    finally:
-        for model in models:
-            unpatch_model(model)
-    assert relative_error(loss_j, loss_a) < 5e-3
-    assert relative_error(grads_j, grads_a) < 5e-2
-    assert relative_error(grads_j, grads_b) <= 1.2 * relative_error(grads_a, grads_b)
+    assert_joined_train_as_apart(bf16, joined, apart, lora=False)
 
 
 @pytest.mark.parametrize("n_in, n_out", [(2048, 512), (2048, 8192), (8192, 2048)])

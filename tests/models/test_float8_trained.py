@@ -130,20 +130,25 @@ def test_the_weight_gradient_in_float8_needs_ligertunes_layers(tmp_path):
         load_recipe(write_recipe(tmp_path, kernels={"float8_weight_grad": True}))  # bf16
 
 
+def float8_model(checkpointed: bool) -> torch.nn.Module:
+    """The tiny Llama, patched, in training mode, its layers ligertune's float8 ones."""
+    from ligertune.training.build import enable_gradient_checkpointing
+
+    model = make_model("llama", attention="sdpa", dtype=torch.bfloat16)
+    patch_model(model)
+    train_in_float8(model)
+    if checkpointed:
+        enable_gradient_checkpointing(model)
+    return model.train()
+
+
 def test_a_recompute_skips_down_proj_and_checkpointing_changes_nothing(monkeypatch):
     """Under gradient checkpointing a recomputed layer's down_proj product, which nothing the layer
     keeps reads, is skipped: once a step instead of twice, the loss and gradients bit for bit those
     without checkpointing."""
-    from ligertune.training.build import enable_gradient_checkpointing
-
     runs = []
     for checkpointed in (False, True):
-        model = make_model("llama", attention="sdpa", dtype=torch.bfloat16)
-        patch_model(model)
-        train_in_float8(model)
-        if checkpointed:
-            enable_gradient_checkpointing(model)
-        model.train()
+        model = float8_model(checkpointed)
         config = model.config
         products = []
         original = float8._float8_product
@@ -193,18 +198,11 @@ def test_a_recompute_hands_its_weights_cast_to_the_backward(monkeypatch):
     """Under checkpointing a group's weights are cast in the forward and in the recompute, whose cast
     serves the backward right after it: twice a step, as without checkpointing. A cast kept from
     another backward, or from weights changed since, is not used."""
-    from ligertune.training.build import enable_gradient_checkpointing
-
     casts = []
     original = Float8TrainedGroup.cast_weights
     monkeypatch.setattr(Float8TrainedGroup, "cast_weights", lambda group: casts.append(group) or original(group))
     for checkpointed in (False, True):
-        model = make_model("llama", attention="sdpa", dtype=torch.bfloat16)
-        patch_model(model)
-        train_in_float8(model)
-        if checkpointed:
-            enable_gradient_checkpointing(model)
-        model.train()
+        model = float8_model(checkpointed)
         casts.clear()
         loss_and_grads(model, batch())
         assert len(casts) == 2 * 4 * LAYERS, checkpointed  # down_proj's recompute skips its product

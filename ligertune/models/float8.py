@@ -275,15 +275,14 @@ class _TrainedFloat8Products(torch.autograd.Function):
     """Y = x cat(W_i)^T for weights that train (a `Float8TrainedGroup`): the product and the gradient
     of x as float8 GEMMs over the weights cast as one, at each use (they change every step); each
     weight's gradient dY_i^T x a GEMM in its dtype from x as it came, or with `weight_grad_in_float8`
-    a float8 GEMM too, dY and x cast once for all. Without
-    `product_needed` (a recompute whose output nothing reads: `patching._swiglu`) Y is left
-    uninitialized."""
+    a float8 GEMM too, dY and x cast once for all. Without `product_needed` (a recompute whose output
+    nothing reads: `patching._swiglu`) Y is left uninitialized."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Float8TrainedGroup, product_needed: bool,
                 *weights: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x if any(ctx.needs_input_grad[3:]) else None)
-        ctx.group = group  # its weights read again in backward, cast afresh (not kept as activations)
+        ctx.group = group  # the weights cast again for backward, or by the recompute: not kept
         if not product_needed:
             return x.new_empty(x.shape[0], sum(group.sizes))
         cast = group.cast_weights()
@@ -298,7 +297,8 @@ class _TrainedFloat8Products(torch.autograd.Function):
         dx = _float8_input_grad(dy, group.kept_or_cast(), dy.dtype) if ctx.needs_input_grad[0] else None
         grads = [None] * len(group.layers)
         if x is not None:
-            grads = (_float8_weight_grads if group.weight_grad_in_float8 else _weight_grads)(dy, x, group.sizes)
+            weight_grads = _float8_weight_grads if group.weight_grad_in_float8 else _weight_grads
+            grads = weight_grads(dy, x, group.sizes)
             grads = [g if needed else None for g, needed in zip(grads, ctx.needs_input_grad[3:])]
         return dx, None, None, *grads
 
@@ -311,9 +311,10 @@ class Float8TrainedGroup(OneInputParts):
     (`OneInputParts`); the group's backward is one autograd node, with one cast of the output
     gradients and one GEMM for the input's gradient (each weight's gradient its own GEMM). Where each
     layer alone ran its own, that is 3 (2) times fewer weight casts, input casts, float8 GEMMs and
-    autograd nodes, and no sum of the input's gradients: at 1B the float8 layers are
-    bound by launches, not by the GPU. The parameters stay each layer's own. `copied`: for each
-    layer, whether its columns are copied out of the joined output (`lora.COPIED`).
+    autograd nodes, and no sum of the input's gradients: some 400 launches fewer a 1B step (which
+    measured no faster for it: its kernels set its pace, docs/PERF.md). The parameters stay each
+    layer's own. `copied`: for each layer, whether its columns are copied out of the joined output
+    (`lora.COPIED`).
 
     Under gradient checkpointing the recompute of the group's product runs right before the group's
     backward, and hands it the weights' cast (`keep_for_backward`): the weights are cast twice a
@@ -335,10 +336,12 @@ class Float8TrainedGroup(OneInputParts):
 
     def output(self, layer: Float8TrainedLinear, x: torch.Tensor, unneeded_in_recompute: bool) -> torch.Tensor:
         """`layer`'s product with x, 2-D: its columns of the group's."""
-        return self.take("output", self.layers.index(layer), x, lambda: self._outputs(x, unneeded_in_recompute))
+        index = self.layers.index(layer)
+        return self.take("output", index, x, lambda: self._outputs(x, unneeded_in_recompute))
 
     def _outputs(self, x: torch.Tensor, unneeded_in_recompute: bool) -> list[torch.Tensor]:
-        y = _TrainedFloat8Products.apply(x.reshape(-1, x.shape[-1]), self, not (unneeded_in_recompute and recomputing()),
+        needed = not (unneeded_in_recompute and recomputing())
+        y = _TrainedFloat8Products.apply(x.reshape(-1, x.shape[-1]), self, needed,
                                          *(layer.weight for layer in self.layers))
         if len(self.layers) == 1:
             return [y]

@@ -185,9 +185,10 @@ def test_siblings_multiply_as_one_and_train_as_the_layers_apart():
     attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert attention.q_proj.group.layers == (attention.q_proj, attention.k_proj, attention.v_proj)
     assert mlp.gate_proj.group.layers == (mlp.gate_proj, mlp.up_proj)
-    assert attention.o_proj.group.layers == (attention.o_proj,) and mlp.down_proj.group.layers == (mlp.down_proj,)
+    assert attention.o_proj.group.layers == (attention.o_proj,)
+    assert mlp.down_proj.group.layers == (mlp.down_proj,)
     apart = layers_apart(copy.deepcopy(model))
-    (loss, grads), (loss_a, grads_a), (loss0, grads0) = (loss_and_grads(m, batch()) for m in (model, apart, reference))
+    (loss, grads), (loss_a, grads_a), (_, grads0) = (loss_and_grads(m, batch()) for m in (model, apart, reference))
     assert relative_error(loss, loss_a) < 1e-3
     for name in grads:
         assert relative_error(grads[name], grads_a[name]) < 0.1, name
@@ -200,7 +201,7 @@ def test_a_recompute_hands_its_weights_cast_to_the_backward(monkeypatch):
     another backward, or from weights changed since, is not used."""
     casts = []
     original = Float8TrainedGroup.cast_weights
-    monkeypatch.setattr(Float8TrainedGroup, "cast_weights", lambda group: casts.append(group) or original(group))
+    monkeypatch.setattr(Float8TrainedGroup, "cast_weights", lambda g: casts.append(g) or original(g))
     for checkpointed in (False, True):
         model = float8_model(checkpointed)
         casts.clear()

@@ -394,6 +394,12 @@ class Float8TrainedLinear(nn.Linear):
                              persistent=False)
         self.group = Float8TrainedGroup([self])
 
+    def extra_repr(self) -> str:
+        joined = len(self.group.layers)
+        products = f"float8 products, one GEMM for {joined} layers" if joined > 1 else "float8 products"
+        gradient = "float8" if self.weight_grad_in_float8 else str(self.weight.dtype).removeprefix("torch.")
+        return f"{super().extra_repr()}, {products}, weight gradient in {gradient}"
+
     def forward(self, x: torch.Tensor, *, unneeded_in_recompute: bool = False) -> torch.Tensor:
         y = self.group.output(self, x, unneeded_in_recompute)
         if self.bias is not None:

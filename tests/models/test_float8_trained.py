@@ -187,6 +187,9 @@ def test_siblings_multiply_as_one_and_train_as_the_layers_apart():
     assert mlp.gate_proj.group.layers == (mlp.gate_proj, mlp.up_proj)
     assert attention.o_proj.group.layers == (attention.o_proj,)
     assert mlp.down_proj.group.layers == (mlp.down_proj,)
+    assert repr(attention.k_proj).endswith("bias=False, float8 products, one GEMM for 3 layers, "
+                                           "weight gradient in bfloat16)")
+    assert repr(mlp.down_proj).endswith("bias=False, float8 products, weight gradient in bfloat16)")
     apart = layers_apart(copy.deepcopy(model))
     (loss, grads), (loss_a, grads_a), (_, grads0) = (loss_and_grads(m, batch()) for m in (model, apart, reference))
     assert relative_error(loss, loss_a) < 1e-3

@@ -51,7 +51,7 @@ from torch import nn
 
 from ligertune.errors import UserError
 from ligertune.kernels import quantize_rows, quantize_transposed, transpose_float8
-from ligertune.models.lora import OneInputParts, _cat, _SplitColumns, join_base_layers
+from ligertune.models.lora import OneInputParts, cat_rows, join_base_layers, split_joined
 from ligertune.models.patching import recomputing
 from ligertune.quiet import quiet_optional_libraries
 
@@ -199,8 +199,8 @@ class Float8Siblings:
         self.layers = tuple(layers)
         self.copied = copied or (False,) * len(layers)
         self.sizes = [layer.out_features for layer in layers]
-        self.weight = _cat([layer.weight for layer in layers])  # a layer alone keeps its own
-        self.weight_scale = _cat([layer.weight_scale for layer in layers])
+        self.weight = cat_rows([layer.weight for layer in layers])  # a layer alone keeps its own
+        self.weight_scale = cat_rows([layer.weight_scale for layer in layers])
         self.unit_scale = layers[0].unit_scale
         for layer, weight, scale in zip(layers, self.weight.split(self.sizes), self.weight_scale.split(self.sizes)):
             layer.weight, layer.weight_scale, layer.siblings = weight, scale, self
@@ -343,10 +343,7 @@ class Float8TrainedGroup(OneInputParts):
         needed = not (unneeded_in_recompute and recomputing())
         y = _TrainedFloat8Products.apply(x.reshape(-1, x.shape[-1]), self, needed,
                                          *(layer.weight for layer in self.layers))
-        if len(self.layers) == 1:
-            return [y]
-        parts = _SplitColumns.apply(y, self.sizes)
-        return [part.contiguous() if copied else part for part, copied in zip(parts, self.copied)]
+        return [y] if len(self.layers) == 1 else split_joined(y, self.sizes, self.copied)
 
     def cast_weights(self) -> _Float8Weight:
         """The weights as they are now, in e4m3 with a scale per output channel, one above the other."""

@@ -146,7 +146,7 @@ class _SharedLoraA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
-        w = _cat(weights)
+        w = cat_rows(weights)
         ctx.save_for_backward(x, *weights)
         # F.linear, as nn.Linear, so that a group of one is peft's own product.
         return F.linear(x.to(w.dtype), w)
@@ -154,7 +154,7 @@ class _SharedLoraA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, du: torch.Tensor):
         x, *weights = ctx.saved_tensors
-        w = _cat(weights)
+        w = cat_rows(weights)
         du = du.reshape(-1, du.shape[-1])
         dx = None
         if ctx.needs_input_grad[0]:
@@ -164,7 +164,8 @@ class _SharedLoraA(torch.autograd.Function):
                                    ctx.needs_input_grad[1:])
 
 
-def _cat(weights) -> torch.Tensor:
+def cat_rows(weights) -> torch.Tensor:
+    """The matrices one above the other; one alone as it is (no copy)."""
     return weights[0] if len(weights) == 1 else torch.cat(weights)
 
 
@@ -292,8 +293,14 @@ def _joined_outputs(members: list[tuple[nn.Module, str]], siblings, x: torch.Ten
     blocks = torch.block_diag(*(m.lora_B[a].weight for m, a in members))
     first, adapter = members[0]
     y.addmm_(u, blocks.t(), alpha=first.scaling[adapter])
-    parts = _SplitColumns.apply(y, siblings.sizes)
-    return [part.contiguous() if copied else part for part, copied in zip(parts, siblings.copied)]
+    return split_joined(y, siblings.sizes, siblings.copied)
+
+
+def split_joined(y: torch.Tensor, sizes: list[int], copied: tuple[bool, ...]) -> list[torch.Tensor]:
+    """The joined output of layers that read one input, split into each layer's columns (views,
+    `_SplitColumns`), the parts that `copied` names copied out (`COPIED`)."""
+    parts = _SplitColumns.apply(y, sizes)
+    return [part.contiguous() if copy else part for part, copy in zip(parts, copied)]
 
 
 class _JoinedProducts(torch.autograd.Function):
@@ -306,7 +313,7 @@ class _JoinedProducts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, siblings, base: bool, *weights: torch.Tensor):
-        a = _cat(weights)
+        a = cat_rows(weights)
         ctx.siblings = siblings
         ctx.save_for_backward(x, *weights)
         y = siblings.product(x) if base else x.new_empty(x.shape[0], sum(siblings.sizes))
@@ -315,7 +322,7 @@ class _JoinedProducts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor, du: torch.Tensor):
         x, *weights = ctx.saved_tensors
-        a = _cat(weights)
+        a = cat_rows(weights)
         dx = None
         if ctx.needs_input_grad[0]:
             dx = ctx.siblings.input_grad(dy).addmm_(du, a)
@@ -383,14 +390,14 @@ class _PlainProducts(torch.autograd.Function):
             outputs = [F.linear(x, w, next(biases) if bias else None) for w, bias in zip(weights, has_bias)]
         else:
             outputs = [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
-        return (*outputs, F.linear(x, _cat(adapters)))
+        return (*outputs, F.linear(x, cat_rows(adapters)))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         x, *saved = ctx.saved_tensors
         weights, adapters = saved[: ctx.k], saved[ctx.k:]
         dys, du = grads[: ctx.k], grads[ctx.k]
-        dx = _summed_input_grad(dys, weights, du, _cat(adapters)) if ctx.needs_input_grad[0] else None
+        dx = _summed_input_grad(dys, weights, du, cat_rows(adapters)) if ctx.needs_input_grad[0] else None
         n_frozen = len(ctx.needs_input_grad) - 3 - len(adapters)
         return (dx, None, None, *([None] * n_frozen),
                 *_adapter_grads(du, lambda: x, adapters, ctx.needs_input_grad[3 + n_frozen:]))
@@ -417,7 +424,7 @@ class _DequantizedProducts(torch.autograd.Function):
             outputs = [F.linear(x, w) for w in weights]
         else:
             outputs = [x.new_empty(x.shape[0], n) for n in siblings.sizes]
-        return (*outputs, F.linear(x, _cat(adapters)))
+        return (*outputs, F.linear(x, cat_rows(adapters)))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
@@ -428,7 +435,7 @@ class _DequantizedProducts(torch.autograd.Function):
             weights, ctx.siblings.recomputed = ctx.siblings.recomputed, None
             if weights is None or weights[0].dtype != dys[0].dtype:
                 weights = ctx.siblings.weights(dys[0].dtype)
-            dx = _summed_input_grad(dys, weights, du, _cat(adapters))
+            dx = _summed_input_grad(dys, weights, du, cat_rows(adapters))
         return dx, None, None, *_adapter_grads(du, lambda: x, adapters, ctx.needs_input_grad[3:])
 
 

@@ -93,11 +93,11 @@ def quantize_rows(x: torch.Tensor | Sequence[torch.Tensor],
     """(q [rows, cols] e4m3, scale [rows] float32) of a 2-D `x`, or of the rows of several matrices
     of one width as if stacked (one launch); see the module docstring."""
     parts = [x] if isinstance(x, torch.Tensor) else list(x)
-    if len(parts) > MAX_PARTS or len({p.dtype for p in parts}) > 1:
-        parts = [torch.cat(parts)]
     if any(p.dim() != 2 for p in parts) or len({p.shape[1] for p in parts}) != 1:
         shapes = ", ".join(str(tuple(p.shape)) for p in parts)
         raise ValueError(f"quantize_rows: expected 2-D tensors of one width, got shapes {shapes}")
+    if len(parts) > MAX_PARTS or len({p.dtype for p in parts}) > 1:
+        parts = [torch.cat(parts)]
     parts = [p if p.stride(1) == 1 else p.contiguous() for p in parts]
     starts = list(itertools.accumulate(p.shape[0] for p in parts))
     rows, cols = starts[-1], parts[0].shape[1]

@@ -764,6 +764,11 @@ class TrainConfig:
         None, f"CPU threads for torch, at most {MAX_THREADS}; default: torch's own choice."
     )
 
+    @property
+    def torchao_scaling(self) -> str:
+        """`fp8_scaling` for torchao's layers, its null default resolved: `tensorwise`."""
+        return self.fp8_scaling or "tensorwise"
+
     def check(self) -> list[tuple[str, str]]:
         problems = []
         for key in ("max_steps", "micro_batch_size", "grad_accum_steps", "log_every", "eval_every",

@@ -337,7 +337,7 @@ def build_model(
         if recipe.kernels.float8_linear:
             train_in_float8(model, weight_grad=recipe.kernels.float8_weight_grad)
         else:
-            convert_to_float8(model, recipe.train.fp8_scaling or "tensorwise", compiled=True)
+            convert_to_float8(model, recipe.train.torchao_scaling, compiled=True)
     if recipe.train.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if before_adapters is not None:
@@ -469,7 +469,7 @@ def describe_float8(recipe: Recipe, model: nn.Module) -> str:
                  else "in bf16")
         how = f"ligertune's layers: a scale per output channel and per token, the weights' gradients {grads}"
     else:
-        how = f"torchao's layers, {recipe.train.fp8_scaling or 'tensorwise'} scales"
+        how = f"torchao's layers, {recipe.train.torchao_scaling} scales"
     return f"{float8_layers(model)} linear layers multiply in float8 ({how})"
 
 

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
 from ligertune.cli.main import app
+from ligertune.merge import check_input_ids
 from ligertune.numerics import relative_error
 from ligertune.recipe import load_recipe
 
@@ -116,6 +117,13 @@ def test_merge_in_half_precision(lora_run: Path, tmp_path: Path, dtype: str, tor
     merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ids = sample_ids(tokenizer)
     assert relative_error(logits(merged, ids), logits(reference, ids)) < tolerance
+    # The adapters' effect is ||with - without|| / ||without|| on the check's own tokens.
+    ids = check_input_ids(tokenizer)
+    with_adapters = logits(reference, ids)
+    with reference.disable_adapter():
+        without = logits(reference, ids)
+    effect = (with_adapters - without).double().norm() / without.double().norm()
+    assert report["adapters_effect"] == pytest.approx(float(effect), rel=1e-4)
 
 
 def test_merge_a_checkpoint(lora_run: Path, tmp_path: Path):

@@ -34,10 +34,13 @@ def verify_loss(
 
     Example: [bold]ligertune verify-loss recipes/quickstart.yaml --modes token,sequence --samples 8 --nproc 2[/]
     """
+    import transformers
+
     from ligertune.distributed import destroy_process_group, finished_together, is_main_process, launch
     from ligertune.recipe import load_recipe
     from ligertune.verify import verify_loss as run
 
+    transformers.utils.logging.disable_progress_bar()  # the report is the command's output
     overrides = list(set_ or [])
     loaded = load_recipe(recipe, overrides)
     if nproc > 1 and "RANK" not in os.environ:  # not yet started by torchrun

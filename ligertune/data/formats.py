@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from ligertune import hub
 from ligertune.errors import DataError, EnvironmentFault, first_line
@@ -417,15 +417,17 @@ class ReadResult:
     bad: list[str]
 
 
-def read_conversations(path: str, *, fmt: str = "auto", split: str = "train",
-                       on_bad_record: str = "error") -> ReadResult:
-    """Read and normalize every record of one source.
+def read_normalized(path: str, detect: Callable[[Any], str], normalize: Callable[[Any, str], Any], *,
+                    fmt: str = "auto", split: str = "train",
+                    on_bad_record: str = "error") -> tuple[list[tuple[str, Any]], int, list[str], str]:
+    """Read every record of one source (local file or hub dataset, `iter_records`) and normalize it:
+    `([(origin, normalize(record, fmt)), ...], records read, bad records' messages, fmt)`.
 
-    `fmt="auto"` takes the format of the first record that is an object. With
-    `on_bad_record="error"` the first malformed record raises `DataError("path:line: problem")`;
-    with `"skip"` it is counted and listed in `bad`.
+    `fmt="auto"` takes `detect` of the first record that is an object. With `on_bad_record="error"`
+    the first malformed record raises `DataError("path:line: problem")`; with `"skip"` it is counted
+    and listed as bad.
     """
-    conversations: list[Conversation] = []
+    normalized: list[tuple[str, Any]] = []
     bad: list[str] = []
     records = 0
     for origin, record in iter_records(path, split=split):
@@ -434,11 +436,19 @@ def read_conversations(path: str, *, fmt: str = "auto", split: str = "train",
             if isinstance(record, BadRecord):
                 raise RecordError(record.problem)
             if fmt == "auto":
-                fmt = detect_format(record)
-            conversations.append(Conversation(normalize(record, fmt), origin))
+                fmt = detect(record)
+            normalized.append((origin, normalize(record, fmt)))
         except RecordError as err:
             message = f"{origin}: {err}"
             if on_bad_record == "error":
                 raise DataError(message) from None
             bad.append(message)
-    return ReadResult(conversations, records, bad)
+    return normalized, records, bad, fmt
+
+
+def read_conversations(path: str, *, fmt: str = "auto", split: str = "train",
+                       on_bad_record: str = "error") -> ReadResult:
+    """Every record of one source as a conversation (`read_normalized`)."""
+    normalized, records, bad, _ = read_normalized(path, detect_format, normalize, fmt=fmt, split=split,
+                                                  on_bad_record=on_bad_record)
+    return ReadResult([Conversation(messages, origin) for origin, messages in normalized], records, bad)

@@ -84,12 +84,11 @@ from ligertune.data.chat import (
 )
 from ligertune.data.formats import (
     PREFERENCE_FORMATS,
-    BadRecord,
     RecordError,
     _kind,
     _messages,
     detect_preference_format,
-    iter_records,
+    read_normalized,
 )
 from ligertune.data.packing import best_fit_decreasing
 from ligertune.errors import DataError
@@ -300,32 +299,12 @@ class PreferenceReadResult:
 
 def read_preferences(path: str, *, fmt: str = "auto", split: str = "train",
                      on_bad_record: str = "error") -> PreferenceReadResult:
-    """Read and normalize every record of one source (local file or hub dataset, `iter_records`).
-
-    `fmt="auto"` takes the format of the first record that is an object. With
-    `on_bad_record="error"` the first malformed record raises `DataError("path:line: problem")`;
-    with `"skip"` it is counted and listed in `bad`.
-    """
-    records: list[PreferenceRecord] = []
-    bad: list[str] = []
-    read = 0
-    for origin, raw in iter_records(path, split=split):
-        read += 1
-        try:
-            if isinstance(raw, BadRecord):
-                raise RecordError(raw.problem)
-            if fmt == "auto":
-                fmt = detect_preference_format(raw)
-            record = normalize_preference(raw, fmt)
-        except RecordError as err:
-            message = f"{origin}: {err}"
-            if on_bad_record == "error":
-                raise DataError(message) from None
-            bad.append(message)
-            continue
+    """Every record of one source as a preference record (`read_normalized`)."""
+    normalized, read, bad, fmt = read_normalized(path, detect_preference_format, normalize_preference, fmt=fmt,
+                                                 split=split, on_bad_record=on_bad_record)
+    for origin, record in normalized:
         record.origin = origin
-        records.append(record)
-    return PreferenceReadResult(records, read, bad, None if fmt == "auto" else fmt)
+    return PreferenceReadResult([record for _, record in normalized], read, bad, None if fmt == "auto" else fmt)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -91,6 +91,7 @@ from ligertune.data.formats import (
     read_normalized,
 )
 from ligertune.data.packing import best_fit_decreasing
+from ligertune.data.stats import compact_count
 from ligertune.errors import DataError
 
 Message = dict[str, str]
@@ -531,7 +532,7 @@ class PreferenceStats:
             reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(self.dropped.items()))
             parts.append(f"{sum(self.dropped.values())} dropped ({reasons})")
         parts.append(f"{self.kept} kept")
-        parts.append(f"{self.scored_tokens} of {self.total_tokens} tokens scored")
+        parts.append(f"{compact_count(self.scored_tokens)} of {compact_count(self.total_tokens)} tokens scored")
         return ", ".join(parts)
 
 

@@ -65,7 +65,7 @@ class DataStats:
             parts.append(f"{sum(self.dropped.values())} dropped ({reasons})")
         if self.truncated:
             parts.append(f"{sum(self.truncated.values())} truncated")
-        parts.append(f"{_compact(self.trained_tokens)} of {_compact(self.total_tokens)} tokens trained")
+        parts.append(f"{compact_count(self.trained_tokens)} of {compact_count(self.total_tokens)} tokens trained")
         return ", ".join(parts)
 
 
@@ -125,7 +125,8 @@ def length_histogram(lengths: Sequence[int], max_len: int) -> list[LengthBucket]
     return [LengthBucket(edges[b], edges[b + 1] - 1, counts[b]) for b in range(len(edges) - 1)]
 
 
-def _compact(n: int) -> str:
+def compact_count(n: int) -> str:
+    """`n` in three figures: 1234 -> 1.23k, 310000 -> 310k."""
     for unit, size in (("G", 10**9), ("M", 10**6), ("k", 10**3)):
         if n >= size:
             return f"{n / size:.3g}{unit}"

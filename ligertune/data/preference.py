@@ -301,11 +301,12 @@ class PreferenceReadResult:
 def read_preferences(path: str, *, fmt: str = "auto", split: str = "train",
                      on_bad_record: str = "error") -> PreferenceReadResult:
     """Every record of one source as a preference record (`read_normalized`)."""
-    normalized, read, bad, fmt = read_normalized(path, detect_preference_format, normalize_preference, fmt=fmt,
-                                                 split=split, on_bad_record=on_bad_record)
+    normalized, read, bad, fmt = read_normalized(path, detect_preference_format, normalize_preference,
+                                                 fmt=fmt, split=split, on_bad_record=on_bad_record)
     for origin, record in normalized:
         record.origin = origin
-    return PreferenceReadResult([record for _, record in normalized], read, bad, None if fmt == "auto" else fmt)
+    records = [record for _, record in normalized]
+    return PreferenceReadResult(records, read, bad, None if fmt == "auto" else fmt)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -532,7 +533,8 @@ class PreferenceStats:
             reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(self.dropped.items()))
             parts.append(f"{sum(self.dropped.values())} dropped ({reasons})")
         parts.append(f"{self.kept} kept")
-        parts.append(f"{compact_count(self.scored_tokens)} of {compact_count(self.total_tokens)} tokens scored")
+        scored, total = compact_count(self.scored_tokens), compact_count(self.total_tokens)
+        parts.append(f"{scored} of {total} tokens scored")
         return ", ".join(parts)
 
 

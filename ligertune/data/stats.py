@@ -65,7 +65,8 @@ class DataStats:
             parts.append(f"{sum(self.dropped.values())} dropped ({reasons})")
         if self.truncated:
             parts.append(f"{sum(self.truncated.values())} truncated")
-        parts.append(f"{compact_count(self.trained_tokens)} of {compact_count(self.total_tokens)} tokens trained")
+        trained, total = compact_count(self.trained_tokens), compact_count(self.total_tokens)
+        parts.append(f"{trained} of {total} tokens trained")
         return ", ".join(parts)
 
 

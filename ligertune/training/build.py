@@ -150,7 +150,8 @@ def build_preference_data(recipe: Recipe, tokenizer) -> TrainingData:
         if cfg.eval_path is not None:
             parts.append(data.units)
             continue
-        train_i, eval_i = hold_out(data.units, cfg.eval_fraction, random.Random(f"ligertune-data:{seed}:eval:{i}"))
+        train_i, eval_i = hold_out_records(data.units, cfg.eval_fraction,
+                                           random.Random(f"ligertune-data:{seed}:eval:{i}"))
         parts.append(train_i)
         eval_units += eval_i
     read = [(source.path, data.stats) for source, data in zip(sources, loaded)]
@@ -171,6 +172,17 @@ def build_preference_data(recipe: Recipe, tokenizer) -> TrainingData:
         eval_packs=pack_preferences(eval_units, cfg.max_seq_len, packing=cfg.packing) if eval_units else [],
         warnings=preference_warnings(recipe, read, held_out=bool(eval_units)),
     )
+
+
+def hold_out_records(units: list, fraction: float, rng: random.Random) -> tuple[list, list]:
+    """`hold_out` of whole records: the units read from one record (a pair's two KTO examples) are
+    held out together or not at all, so no held-out prompt is trained on with its other answer. With
+    one unit a record, the split `hold_out` gives the units themselves."""
+    records: dict[str, list] = {}
+    for unit in units:
+        records.setdefault(unit.origin, []).append(unit)
+    train, held = hold_out(list(records.values()), fraction, rng)
+    return [u for record in train for u in record], [u for record in held for u in record]
 
 
 def preference_warnings(recipe: Recipe, read: list[tuple[str, PreferenceStats]], *, held_out: bool) -> list[str]:

@@ -57,3 +57,31 @@ def test_a_source_of_chat_data_is_refused_naming_its_file(tmp_path: Path):
     sources = [{"path": str(tmp_path / "a.jsonl")}, {"path": str(tmp_path / "chat.jsonl")}]
     with pytest.raises(UserError, match=r"chat\.jsonl:1: cannot tell the preference format.*chat data"):
         build(path, "data.path=null", "data.format=auto", f"data.sources={json.dumps(sources)}")
+
+
+@pytest.mark.parametrize("objective", ["dpo", "kto"])
+def test_the_held_out_share_is_drawn_by_record(tmp_path: Path, objective: str):
+    """`data.eval_fraction` holds out whole records: under KTO a pair gives two examples, and both
+    land on the same side, so no held-out prompt is trained on with its other answer."""
+    path = write_preference_recipe(tmp_path, n_train=20)
+    data = build(path, f"objective.name={objective}", "data.eval_fraction=0.25")
+    train, held = data.prepared.train, data.prepared.eval
+    per_record = 2 if objective == "kto" else 1
+    assert len(held) == 5 * per_record and len(train) == 15 * per_record
+    assert {u.origin for u in train}.isdisjoint({u.origin for u in held})
+    assert all(n == per_record for n in Counter(u.origin for u in [*train, *held]).values())
+
+
+def test_records_of_one_unit_split_as_the_units_alone():
+    import random
+
+    from ligertune.data.prepare import hold_out
+    from ligertune.training.build import hold_out_records
+
+    class Unit:
+        def __init__(self, origin: str):
+            self.origin = origin
+
+    units = [Unit(f"train.jsonl:{i}") for i in range(1, 41)]
+    alone = hold_out(units, 0.2, random.Random("seed"))
+    assert hold_out_records(units, 0.2, random.Random("seed")) == alone

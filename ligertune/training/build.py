@@ -16,6 +16,7 @@ what is verified and benchmarked is what trains:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import random
 import warnings
@@ -61,6 +62,7 @@ from ligertune.training.memory import (
 )
 from ligertune.training.optim import lr_multiplier, warmup_length
 from ligertune.training.run import Run
+from ligertune.training.state import packs_digest
 
 
 def build_device(cfg: TrainConfig) -> torch.device:
@@ -89,6 +91,11 @@ class TrainingData:
     @property
     def train_examples(self) -> list[TokenizedExample]:
         return self.prepared.train
+
+    @functools.cached_property
+    def train_digest(self) -> str:
+        """`packs_digest` of the training packs: a checkpoint's data position holds for these packs only."""
+        return packs_digest(self.train_packs)
 
 
 def build_packs(cfg: DataConfig, examples: list[TokenizedExample]) -> list[Pack]:

@@ -75,6 +75,9 @@ class TrainerState:
     """Every rank's RNG states (`state.capture_rng`), rank 0's first."""
     RECIPE = "recipe"
     """The resolved recipe (the resume check compares it)."""
+    DATA = "data"
+    """The training packs the data position counts in: `{"packs": n, "digest": packs_digest}` (the
+    resume check compares it; None for a run built without data)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -96,6 +99,8 @@ def save_checkpoint(run: Run) -> Path:
         TrainerState.SCHEDULER: run.scheduler.state_dict(),
         TrainerState.RNG: gather_objects(capture_rng()),
         TrainerState.RECIPE: run.recipe.to_dict(),
+        TrainerState.DATA: ({"packs": len(run.data.train_packs), "digest": run.data.train_digest}
+                            if run.data is not None else None),
     }
 
     def write(folder: Path) -> None:

@@ -98,6 +98,21 @@ def check_resumable(saved: dict, recipe: Recipe, checkpoint: Path, *, world_size
         )
 
 
+def check_same_data(saved: dict, *, packs: int, digest: str, checkpoint: Path) -> None:
+    """Refuse to continue a checkpoint's run over other training packs than it trained on (a data
+    file edited or replaced since, under the same recipe): its data position would count in packs
+    that are not the ones it counted. A checkpoint written before the packs were recorded passes."""
+    before = saved.get("data")
+    if before is None or before["digest"] == digest:
+        return
+    counts = (f"{before['packs']} packs then, {packs} now" if before["packs"] != packs
+              else f"as many packs ({packs}), with other contents")
+    raise UserError(
+        f"--resume: the training data differ from those {checkpoint} was trained on ({counts}): a data "
+        "file changed since; resume with the data the run started with, or start a new run"
+    )
+
+
 def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(data, dict):
         flat: dict[str, Any] = {}

@@ -92,7 +92,7 @@ from ligertune.training.evaluation import evaluate, greedy_sample
 from ligertune.training.memory import CheckpointPlanner
 from ligertune.training.outputs import METRICS, SPIKES, Outputs
 from ligertune.training.precision import optimizer_memory
-from ligertune.training.resume import check_resumable, fit_world_size
+from ligertune.training.resume import check_resumable, check_same_data, fit_world_size
 from ligertune.training.run import Run, RunInterrupted, StepStats, TrainingDiverged, TrainResult
 from ligertune.training.run_dir import check_output_dir
 from ligertune.training.step import next_batches, train_step
@@ -173,6 +173,8 @@ def setup(recipe: Recipe, console: Console, *, resume: str | Path | None = None,
     def build() -> tuple:
         tokenizer = load_tokenizer(recipe.model)
         data = build_data(recipe, tokenizer, show_progress=topology.is_main)
+        if saved is not None:
+            check_same_data(saved, packs=len(data.train_packs), digest=data.train_digest, checkpoint=checkpoint)
         built = build_model(recipe, device=device, vocab_size=len(tokenizer),
                             dtype=dtypes.model, trainable_dtype=dtypes.trainable)
         if checkpoint is not None and recipe.objective.trains_backbone:  # else the recipe's model, unchanged

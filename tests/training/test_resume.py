@@ -110,6 +110,47 @@ def test_resume_refuses_a_recipe_with_other_math_and_a_missing_checkpoint(tmp_pa
     cleanup(run)
 
 
+def test_resume_refuses_training_data_changed_since_the_checkpoint(tmp_path: Path):
+    """The data position counts packs: over a data file edited since, it would count other packs."""
+    path = write_recipe(tmp_path, train={"max_steps": 4, "save_every": 2, "eval_every": None})
+    finish(start(path))
+    data = tmp_path / "train.jsonl"
+    original = data.read_text(encoding="utf-8")
+    assert load_trainer_state(latest_checkpoint(tmp_path / "run"))["data"]["packs"] == 16
+    data.write_text(original.replace('"content": "', '"content": "Now ', 1), encoding="utf-8")
+    with pytest.raises(UserError, match=r"training data differ .*step-000002.*\(as many packs \(16\), with "
+                                        r"other contents\)"):
+        start(path, "train.max_steps=6", resume="latest")
+    lines = original.splitlines(keepends=True)
+    data.write_text("".join(lines[: len(lines) // 2]), encoding="utf-8")
+    with pytest.raises(UserError, match=r"training data differ .*\(16 packs then, \d+ now\)"):
+        start(path, "train.max_steps=6", resume="latest")
+    data.write_text(original, encoding="utf-8")  # the same data again: the run continues
+    run = start(path, "train.max_steps=6", resume="latest")
+    assert run.state.step == 2
+    cleanup(run)
+
+
+def test_the_packs_digest_sees_every_field_but_the_reference_values():
+    import dataclasses
+
+    from ligertune.data import Pack
+    from ligertune.data.preference import PreferencePack
+    from ligertune.training.state import packs_digest
+
+    pack = Pack(input_ids=[5, 6, 7, 8], targets=[6, 7, -100, -100], seq_lens=[3, 1], example_indices=[0, 1])
+    digest = packs_digest([pack])
+    assert packs_digest([dataclasses.replace(pack)]) == digest
+    for change in ({"input_ids": [5, 6, 7, 9]}, {"targets": [6, -100, -100, -100]}, {"seq_lens": [2, 2]},
+                   {"example_indices": [1, 0]}):
+        assert packs_digest([dataclasses.replace(pack, **change)]) != digest, change
+    pair = PreferencePack(input_ids=[1, 2, 3, 4], prompt_lens=[2], answer_lens=[(1, 1)], score_rows=[1, 2],
+                          score_targets=[3, 4], score_answers=[0, 1])
+    scored = dataclasses.replace(pair, reference_logps=[-1.5, -2.5])  # computed from the packs, later
+    assert packs_digest([scored]) == packs_digest([pair])
+    assert packs_digest([dataclasses.replace(pair, answer_lens=[(2, 0)])]) != packs_digest([pair])
+
+
 def test_a_failed_checkpoint_write_keeps_the_previous_one(tmp_path: Path, monkeypatch):
     path = write_recipe(tmp_path, train={"max_steps": 6, "save_every": 2, "eval_every": None})
     run = start(path)

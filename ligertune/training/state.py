@@ -103,7 +103,7 @@ def packs_digest(packs: Sequence) -> str:
             value = getattr(pack, f.name)
             if f.name == "reference_logps" or value is None:
                 continue
-            h.update(f.name.encode())
+            h.update(f"{f.name}:{len(value)}:".encode())
             if value and isinstance(value[0], int):
                 h.update(array.array("q", value).tobytes())
             else:  # a preference pack's answer lengths, KTO's labels

@@ -398,6 +398,15 @@ def test_a_huge_record_is_dropped_without_tokenizing_it_all(recipe, tmp_path, mo
 # Messages that name their culprit
 
 
+@pytest.mark.parametrize("targets, missing", [("[q_proj, v_prj]", "v_prj matches"), ("[nope, gone]", "nope, gone match")])
+def test_a_lora_target_that_matches_no_module_is_named(recipe, targets, missing):
+    """peft adapts the names that match and drops a mistyped one silently: fewer layers than asked."""
+    line = error_line(invoke("validate", recipe, "--set", f"lora.target_modules={targets}"))
+    assert line == (f"error: lora.target_modules: {missing} no module of the model; its linear layers: "
+                    "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj")
+    assert invoke("validate", recipe, "--set", "lora.target_modules=[q_proj, v_proj]").exit_code == 0
+
+
 def test_empty_data_names_the_file(recipe, tmp_path):
     (tmp_path / "train.jsonl").write_text("")
     line = error_line(invoke("validate", recipe))

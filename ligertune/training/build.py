@@ -542,6 +542,7 @@ def wrap_lora(model: nn.Module, cfg: LoraConfig, *, fast: bool = False) -> nn.Mo
         use_rslora=cfg.use_rslora,
         task_type="CAUSAL_LM",
     )
+    check_target_modules(model, cfg.target_modules)
     keep = adapters_in_model_dtype(cfg, fast=fast)
     try:
         # autocast_adapter_dtype=False: peft leaves each adapter in its base layer's dtype instead of
@@ -554,6 +555,22 @@ def wrap_lora(model: nn.Module, cfg: LoraConfig, *, fast: bool = False) -> nn.Mo
     if fast:
         patch_lora(wrapped)
     return wrapped
+
+
+def check_target_modules(model: nn.Module, targets: str | list[str]) -> None:
+    """Refuse a `lora.target_modules` list with a name that matches no module, naming the model's
+    linear layers: peft adapts the names that match and drops the others without a word, so a typo
+    (`v_prj`) would train fewer layers than asked. A string (`all-linear`, or a pattern peft matches
+    against whole module names) is peft's to check."""
+    if isinstance(targets, str):
+        return
+    names = [name for name, _ in model.named_modules()]
+    missing = [t for t in targets if not any(name == t or name.endswith(f".{t}") for name in names)]
+    if missing:
+        linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                         if isinstance(module, nn.Linear)})
+        raise UserError(f"lora.target_modules: {', '.join(missing)} match{'es' * (len(missing) == 1)} no module "
+                        f"of the model; its linear layers: {', '.join(linear)}")
 
 
 def adapters_in_model_dtype(cfg: LoraConfig, *, fast: bool) -> bool:

@@ -398,13 +398,25 @@ def test_a_huge_record_is_dropped_without_tokenizing_it_all(recipe, tmp_path, mo
 # Messages that name their culprit
 
 
-@pytest.mark.parametrize("targets, missing", [("[q_proj, v_prj]", "v_prj matches"), ("[nope, gone]", "nope, gone match")])
-def test_a_lora_target_that_matches_no_module_is_named(recipe, targets, missing):
-    """peft adapts the names that match and drops a mistyped one silently: fewer layers than asked."""
-    line = error_line(invoke("validate", recipe, "--set", f"lora.target_modules={targets}"))
-    assert line == (f"error: lora.target_modules: {missing} no module of the model; its linear layers: "
+@pytest.mark.parametrize("override, missing", [
+    ("lora.target_modules=[q_proj, v_prj]", "target_modules: v_prj matches"),
+    ("lora.target_modules=[nope, gone]", "target_modules: nope, gone match"),
+    ("lora.target_modules=qq", "target_modules: qq matches"),
+    (r"lora.target_modules=.*\.q_prj", r"target_modules: .*\.q_prj matches"),
+    ("lora.modules_to_save=[embed_tokns]", "modules_to_save: embed_tokns matches"),
+])
+def test_a_lora_name_that_matches_no_module_is_named(recipe, override, missing):
+    """peft adapts (or saves) the names that match and drops a mistyped one silently."""
+    line = error_line(invoke("validate", recipe, "--set", override))
+    assert line == (f"error: lora.{missing} no module of the model; its linear layers: "
                     "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj")
-    assert invoke("validate", recipe, "--set", "lora.target_modules=[q_proj, v_proj]").exit_code == 0
+
+
+@pytest.mark.parametrize("targets", ["[q_proj, v_proj]", "q_proj", "self_attn.q_proj", r".*\.(q|v)_proj"])
+def test_lora_targets_as_names_or_a_pattern(recipe, targets):
+    result = invoke("validate", recipe, "--set", f"lora.target_modules={targets}",
+                    "--set", "lora.modules_to_save=[embed_tokens]")
+    assert result.exit_code == 0, result.output + result.stderr
 
 
 def test_empty_data_names_the_file(recipe, tmp_path):

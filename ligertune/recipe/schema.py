@@ -609,7 +609,8 @@ class LoraConfig:
     dropout: float = _field(0.0, "Dropout on the adapter input.")
     target_modules: str | list[str] = _field(
         "all-linear", "Module names to adapt (each must match a module: `q_proj` matches every `...q_proj`), "
-        "or `all-linear` (every linear layer but the output)."
+        "a pattern matched against whole names (`.*\\.[qv]_proj`), or `all-linear` (every linear layer but "
+        "the output)."
     )
     bias: Literal["none", "all", "lora_only"] = _field("none", "Which biases are trained.")
     modules_to_save: list[str] | None = _field(None, "Modules trained in full besides the adapters.")

@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import math
 import random
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -536,13 +537,13 @@ def wrap_lora(model: nn.Module, cfg: LoraConfig, *, fast: bool = False) -> nn.Mo
         r=cfg.r,
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
-        target_modules=cfg.target_modules,
+        target_modules=lora_targets(cfg),
         bias=cfg.bias,
         modules_to_save=cfg.modules_to_save,
         use_rslora=cfg.use_rslora,
         task_type="CAUSAL_LM",
     )
-    check_target_modules(model, cfg.target_modules)
+    check_lora_names(model, cfg)
     keep = adapters_in_model_dtype(cfg, fast=fast)
     try:
         # autocast_adapter_dtype=False: peft leaves each adapter in its base layer's dtype instead of
@@ -557,20 +558,35 @@ def wrap_lora(model: nn.Module, cfg: LoraConfig, *, fast: bool = False) -> nn.Mo
     return wrapped
 
 
-def check_target_modules(model: nn.Module, targets: str | list[str]) -> None:
-    """Refuse a `lora.target_modules` list with a name that matches no module, naming the model's
-    linear layers: peft adapts the names that match and drops the others without a word, so a typo
-    (`v_prj`) would train fewer layers than asked. A string (`all-linear`, or a pattern peft matches
-    against whole module names) is peft's to check."""
-    if isinstance(targets, str):
-        return
+def lora_targets(cfg: LoraConfig) -> str | list[str]:
+    """`lora.target_modules` as peft takes it: a plain name written alone (`q_proj`) as a list of one,
+    since peft matches a string as a pattern against whole module names (`model.layers.0...`)."""
+    targets = cfg.target_modules
+    if isinstance(targets, str) and targets != "all-linear" and re.fullmatch(r"[\w.]+", targets):
+        return [targets]
+    return targets
+
+
+def check_lora_names(model: nn.Module, cfg: LoraConfig) -> None:
+    """Refuse a name of `lora.target_modules` or `lora.modules_to_save` that matches no module of the
+    model, naming its linear layers: peft adapts or saves the names that match and drops the others
+    without a word, so a typo (`v_prj`) would train fewer layers than asked. Matched as peft does:
+    a target is a module's name or its last dotted parts, a module to save the end of its name; a
+    pattern must match a whole name."""
     names = [name for name, _ in model.named_modules()]
-    missing = [t for t in targets if not any(name == t or name.endswith(f".{t}") for name in names)]
-    if missing:
-        linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                         if isinstance(module, nn.Linear)})
-        raise UserError(f"lora.target_modules: {', '.join(missing)} match{'es' * (len(missing) == 1)} no module "
-                        f"of the model; its linear layers: {', '.join(linear)}")
+    targets = lora_targets(cfg)
+    if isinstance(targets, str):
+        missing = [] if targets == "all-linear" or any(re.fullmatch(targets, n) for n in names) else [targets]
+    else:
+        missing = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
+    for key, unmatched in (("target_modules", missing),
+                           ("modules_to_save", [t for t in cfg.modules_to_save or []
+                                                if not any(n.endswith(t) for n in names)])):
+        if unmatched:
+            linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                             if isinstance(module, nn.Linear)})
+            raise UserError(f"lora.{key}: {', '.join(unmatched)} match{'es' * (len(unmatched) == 1)} no module "
+                            f"of the model; its linear layers: {', '.join(linear)}")
 
 
 def adapters_in_model_dtype(cfg: LoraConfig, *, fast: bool) -> bool:

@@ -412,6 +412,11 @@ def test_a_lora_name_that_matches_no_module_is_named(recipe, override, missing):
                     "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj")
 
 
+def test_a_lora_target_pattern_that_does_not_compile_is_named(recipe):
+    line = error_line(invoke("validate", recipe, "--set", "lora.target_modules=q_proj("))
+    assert line.startswith("error: lora.target_modules: 'q_proj(' is not a valid pattern: missing )")
+
+
 @pytest.mark.parametrize("targets", ["[q_proj, v_proj]", "q_proj", "self_attn.q_proj", r".*\.(q|v)_proj"])
 def test_lora_targets_as_names_or_a_pattern(recipe, targets):
     result = invoke("validate", recipe, "--set", f"lora.target_modules={targets}",

@@ -576,7 +576,10 @@ def check_lora_names(model: nn.Module, cfg: LoraConfig) -> None:
     names = [name for name, _ in model.named_modules()]
     targets = lora_targets(cfg)
     if isinstance(targets, str):
-        missing = [] if targets == "all-linear" or any(re.fullmatch(targets, n) for n in names) else [targets]
+        try:
+            missing = [] if targets == "all-linear" or any(re.fullmatch(targets, n) for n in names) else [targets]
+        except re.error as err:
+            raise UserError(f"lora.target_modules: {targets!r} is not a valid pattern: {err}") from None
     else:
         missing = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
     for key, unmatched in (("target_modules", missing),
@@ -585,8 +588,9 @@ def check_lora_names(model: nn.Module, cfg: LoraConfig) -> None:
         if unmatched:
             linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
                              if isinstance(module, nn.Linear)})
-            raise UserError(f"lora.{key}: {', '.join(unmatched)} match{'es' * (len(unmatched) == 1)} no module "
-                            f"of the model; its linear layers: {', '.join(linear)}")
+            verb = "matches" if len(unmatched) == 1 else "match"
+            raise UserError(f"lora.{key}: {', '.join(unmatched)} {verb} no module of the model; its linear "
+                            f"layers: {', '.join(linear)}")
 
 
 def adapters_in_model_dtype(cfg: LoraConfig, *, fast: bool) -> bool:

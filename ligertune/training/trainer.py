@@ -174,7 +174,8 @@ def setup(recipe: Recipe, console: Console, *, resume: str | Path | None = None,
         tokenizer = load_tokenizer(recipe.model)
         data = build_data(recipe, tokenizer, show_progress=topology.is_main)
         if saved is not None:
-            check_same_data(saved, packs=len(data.train_packs), digest=data.train_digest, checkpoint=checkpoint)
+            check_same_data(saved, packs=len(data.train_packs), digest=data.train_digest,
+                            checkpoint=checkpoint)
         built = build_model(recipe, device=device, vocab_size=len(tokenizer),
                             dtype=dtypes.model, trainable_dtype=dtypes.trainable)
         if checkpoint is not None and recipe.objective.trains_backbone:  # else the recipe's model, unchanged

@@ -134,7 +134,9 @@ def _iter_json(file: Path, name: str) -> Iterator[tuple[str, Any]]:
 
 
 def _iter_json_array(file: Path, name: str) -> Iterator[tuple[str, Any]]:
-    """Decode a top-level array element by element, so each record knows the line it starts on.
+    """Decode a top-level array element by element, so each record knows the line it starts on; a
+    record that starts on the line of an earlier one is told apart by its place in the array
+    (`data.json:1 (record 3)`), so that no two records of a file share an origin.
 
     After a syntax error inside an array there is no next record to resynchronize on, so that error
     stops the read whatever `on_bad_record` says.
@@ -158,8 +160,10 @@ def _iter_json_array(file: Path, name: str) -> Iterator[tuple[str, Any]]:
         return pos
 
     pos = skip_space(text.index("[") + 1)
+    index, previous_line = 0, 0
     while pos < len(text) and text[pos] != "]":
         advance(pos)
+        index += 1
         try:
             record, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as err:
@@ -168,7 +172,8 @@ def _iter_json_array(file: Path, name: str) -> Iterator[tuple[str, Any]]:
             raise DataError(f"{name}:{line}: invalid JSON: nested too deeply") from None
         except ValueError as err:  # an integer of over 4300 digits
             raise DataError(f"{name}:{line}: invalid JSON: {first_line(err)}") from None
-        yield f"{name}:{line}", record
+        yield (f"{name}:{line}" if line != previous_line else f"{name}:{line} (record {index})"), record
+        previous_line = line
         pos = skip_space(end)
         if pos < len(text) and text[pos] == ",":
             pos = skip_space(pos + 1)

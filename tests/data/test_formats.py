@@ -147,6 +147,13 @@ def test_json_array_records_know_their_lines(tmp_path):
     assert result.conversations[1].messages == NORMALIZED
 
 
+def test_json_array_records_on_one_line_have_origins_of_their_own(tmp_path):
+    path = tmp_path / "train.json"
+    path.write_text(json.dumps([GOOD, GOOD, GOOD]))  # minified: every record starts on line 1
+    origins = [c.origin for c in read_conversations(str(path)).conversations]
+    assert origins == [f"{path}:1", f"{path}:1 (record 2)", f"{path}:1 (record 3)"]
+
+
 def test_json_array_syntax_error_stops_with_its_line(tmp_path):
     path = tmp_path / "train.json"
     path.write_text("[\n" + json.dumps(GOOD) + ",\n{\"messages\": [}\n]\n")

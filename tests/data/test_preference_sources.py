@@ -59,12 +59,18 @@ def test_a_source_of_chat_data_is_refused_naming_its_file(tmp_path: Path):
         build(path, "data.path=null", "data.format=auto", f"data.sources={json.dumps(sources)}")
 
 
+@pytest.mark.parametrize("layout", ["jsonl", "minified json"])
 @pytest.mark.parametrize("objective", ["dpo", "kto"])
-def test_the_held_out_share_is_drawn_by_record(tmp_path: Path, objective: str):
+def test_the_held_out_share_is_drawn_by_record(tmp_path: Path, objective: str, layout: str):
     """`data.eval_fraction` holds out whole records: under KTO a pair gives two examples, and both
-    land on the same side, so no held-out prompt is trained on with its other answer."""
+    land on the same side, so no held-out prompt is trained on with its other answer. Records of a
+    JSON array on one line are records of their own."""
     path = write_preference_recipe(tmp_path, n_train=20)
-    data = build(path, f"objective.name={objective}", "data.eval_fraction=0.25")
+    if layout == "minified json":
+        records = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+        (tmp_path / "train.json").write_text(json.dumps(records), encoding="utf-8")
+    data = build(path, f"objective.name={objective}", "data.eval_fraction=0.25",
+                 f"data.path={tmp_path / ('train.json' if layout == 'minified json' else 'train.jsonl')}")
     train, held = data.prepared.train, data.prepared.eval
     per_record = 2 if objective == "kto" else 1
     assert len(held) == 5 * per_record and len(train) == 15 * per_record

@@ -30,7 +30,7 @@ from ligertune.data.chat import (
 )
 from ligertune.data.formats import Conversation, read_conversations
 from ligertune.data.order import OrderReport, order_report, shuffled
-from ligertune.data.packing import Pack, best_fit_decreasing, pack, packs_of_one, shift_labels
+from ligertune.data.packing import Pack, best_fit_decreasing, pack, packs_digest, packs_of_one, shift_labels
 from ligertune.data.preference import (
     KTOExample,
     PreferenceExample,
@@ -86,6 +86,7 @@ __all__ = [
     "load_preferences",
     "order_report",
     "pack",
+    "packs_digest",
     "pack_preferences",
     "packing_stats",
     "packs_of_one",

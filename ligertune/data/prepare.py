@@ -28,7 +28,7 @@ import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from rich.console import Console
 from rich.markup import escape
@@ -347,16 +347,23 @@ def _short(path: str, width: int = 48) -> str:
 # Splitting and sampling
 
 
-def hold_out(examples: list[TokenizedExample], fraction: float, rng: random.Random
-             ) -> tuple[list[TokenizedExample], list[TokenizedExample]]:
-    """(train, eval): round(n * fraction) examples held out (at least one when fraction > 0 and n >= 2)."""
-    n = len(examples)
+def hold_out(examples: list, fraction: float, rng: random.Random, *,
+             record: Callable[[Any], str] | None = None) -> tuple[list, list]:
+    """(train, eval): round(n * fraction) of the n records held out (at least one when fraction > 0
+    and n >= 2). A record is one example, or with `record` the examples of one `record(example)` (a
+    pair's two KTO examples), held out together so that no held-out prompt is trained on with its
+    other answer; with one example a record the split is the same either way."""
+    groups: dict[Any, list] = {}
+    for i, example in enumerate(examples):
+        groups.setdefault(record(example) if record is not None else i, []).append(example)
+    records = list(groups.values())
+    n = len(records)
     if fraction <= 0 or n < 2:
         return examples, []
     n_eval = min(n - 1, max(1, round(n * fraction)))
     chosen = set(rng.sample(range(n), n_eval))
-    return ([e for i, e in enumerate(examples) if i not in chosen],
-            [e for i, e in enumerate(examples) if i in chosen])
+    return ([e for i, r in enumerate(records) if i not in chosen for e in r],
+            [e for i, r in enumerate(records) if i in chosen for e in r])
 
 
 def take(examples: list[TokenizedExample], count: int, rng: random.Random) -> list[TokenizedExample]:

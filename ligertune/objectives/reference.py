@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ligertune.data import collate_preferences
+from ligertune.data import collate_preferences, packs_digest
 from ligertune.data.preference import PreferencePack
 from ligertune.devices import device_name
 from ligertune.distributed import Topology, gather_objects
@@ -228,13 +228,3 @@ def model_folder(name_or_path: str) -> Path | None:
         return Path(snapshot_download(name_or_path, local_files_only=True))
     except Exception:  # not a hub id, or not in the local cache: nothing to key by
         return None
-
-
-def packs_digest(packs: Sequence[PreferencePack]) -> str:
-    """SHA-256 of the packs' tokens, layout and scored positions: equal exactly when the reference
-    pass would score the same answers of the same sequences."""
-    h = hashlib.sha256()
-    for p in packs:
-        h.update(json.dumps([p.input_ids, p.prompt_lens, p.answer_lens, p.score_rows, p.score_targets,
-                             p.score_answers]).encode())
-    return h.hexdigest()

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ligertune import models
-from ligertune.data import Pack, PreparedData, TokenizedExample, pack, prepare_data
+from ligertune.data import Pack, PreparedData, TokenizedExample, pack, packs_digest, prepare_data
 from ligertune.data.preference import PreferenceStats, PreparedPreferences, load_preferences, pack_preferences
 from ligertune.data.prepare import hold_out, take, target_counts
 from ligertune.devices import resolve_device, resolve_dtype
@@ -63,7 +63,6 @@ from ligertune.training.memory import (
 )
 from ligertune.training.optim import lr_multiplier, warmup_length
 from ligertune.training.run import Run
-from ligertune.training.state import packs_digest
 
 
 def build_device(cfg: TrainConfig) -> torch.device:
@@ -158,8 +157,8 @@ def build_preference_data(recipe: Recipe, tokenizer) -> TrainingData:
         if cfg.eval_path is not None:
             parts.append(data.units)
             continue
-        train_i, eval_i = hold_out_records(data.units, cfg.eval_fraction,
-                                           random.Random(f"ligertune-data:{seed}:eval:{i}"))
+        rng = random.Random(f"ligertune-data:{seed}:eval:{i}")
+        train_i, eval_i = hold_out(data.units, cfg.eval_fraction, rng, record=lambda unit: unit.origin)
         parts.append(train_i)
         eval_units += eval_i
     read = [(source.path, data.stats) for source, data in zip(sources, loaded)]
@@ -180,17 +179,6 @@ def build_preference_data(recipe: Recipe, tokenizer) -> TrainingData:
         eval_packs=pack_preferences(eval_units, cfg.max_seq_len, packing=cfg.packing) if eval_units else [],
         warnings=preference_warnings(recipe, read, held_out=bool(eval_units)),
     )
-
-
-def hold_out_records(units: list, fraction: float, rng: random.Random) -> tuple[list, list]:
-    """`hold_out` of whole records: the units read from one record (a pair's two KTO examples) are
-    held out together or not at all, so no held-out prompt is trained on with its other answer. With
-    one unit a record, the split `hold_out` gives the units themselves."""
-    records: dict[str, list] = {}
-    for unit in units:
-        records.setdefault(unit.origin, []).append(unit)
-    train, held = hold_out(list(records.values()), fraction, rng)
-    return [u for record in train for u in record], [u for record in held for u in record]
 
 
 def preference_warnings(recipe: Recipe, read: list[tuple[str, PreferenceStats]], *, held_out: bool) -> list[str]:

@@ -4,14 +4,11 @@ The order of the packs depends only on `(seed, epoch)` (`ligertune.data.shuffled
 position is two numbers: the epoch, and the index of the next pack in that epoch's order. A step
 takes the next `n` packs of that stream, running on into the next epoch when one ends, so that
 every pack is used exactly once per epoch whatever the step size. The position means the same
-packs only over the same data: `packs_digest` tells (a checkpoint keeps it).
+packs only over the same data: `ligertune.data.packs_digest` tells (a checkpoint keeps it).
 """
 
 from __future__ import annotations
 
-import array
-import dataclasses
-import hashlib
 import math
 import random
 from dataclasses import asdict, dataclass, field
@@ -91,24 +88,6 @@ def first_epoch_steps(packs: Sequence[Pack], seed: int, per_step: int) -> list[l
     ceil(P / per_step) steps for P packs, the last one completed from the second epoch's order."""
     stream, state = PackStream(packs, seed), RunState()
     return [stream.take(state, per_step) for _ in range(math.ceil(len(packs) / per_step))]
-
-
-def packs_digest(packs: Sequence) -> str:
-    """SHA-256 of the packs as steps take them: every field of each pack (tokens, targets, layout,
-    which examples and sources), a preference pack's reference log-probabilities left out (they are
-    computed from the packs). About 0.1 s per million tokens."""
-    h = hashlib.sha256()
-    for pack in packs:
-        for f in dataclasses.fields(pack):
-            value = getattr(pack, f.name)
-            if f.name == "reference_logps" or value is None:
-                continue
-            h.update(f"{f.name}:{len(value)}:".encode())
-            if value and isinstance(value[0], int):
-                h.update(array.array("q", value).tobytes())
-            else:  # a preference pack's answer lengths, KTO's labels
-                h.update(repr(value).encode())
-    return h.hexdigest()
 
 
 def capture_rng() -> dict[str, Any]:

@@ -82,7 +82,6 @@ def test_records_of_one_unit_split_as_the_units_alone():
     import random
 
     from ligertune.data.prepare import hold_out
-    from ligertune.training.build import hold_out_records
 
     class Unit:
         def __init__(self, origin: str):
@@ -90,4 +89,4 @@ def test_records_of_one_unit_split_as_the_units_alone():
 
     units = [Unit(f"train.jsonl:{i}") for i in range(1, 41)]
     alone = hold_out(units, 0.2, random.Random("seed"))
-    assert hold_out_records(units, 0.2, random.Random("seed")) == alone
+    assert hold_out(units, 0.2, random.Random("seed"), record=lambda unit: unit.origin) == alone

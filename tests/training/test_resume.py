@@ -136,7 +136,7 @@ def test_the_packs_digest_sees_every_field_but_the_reference_values():
 
     from ligertune.data import Pack
     from ligertune.data.preference import PreferencePack
-    from ligertune.training.state import packs_digest
+    from ligertune.data import packs_digest
 
     pack = Pack(input_ids=[5, 6, 7, 8], targets=[6, 7, -100, -100], seq_lens=[3, 1], example_indices=[0, 1])
     digest = packs_digest([pack])

@@ -141,6 +141,17 @@ def test_relative_paths_resolve_next_to_the_recipe(tmp_path: Path, monkeypatch):
     assert recipe.model.name_or_path == "org/some-model"  # not a local path: kept as a hub id
 
 
+def test_a_data_pattern_resolves_next_to_the_recipe_when_it_matches_there(tmp_path: Path, monkeypatch):
+    (tmp_path / "train-0.jsonl").write_text("")
+    path = tmp_path / "r.yaml"
+    path.write_text("model: {name_or_path: org/some-model}\n"
+                    "data: {path: train-*.jsonl, eval_path: held-*.jsonl}\n")
+    monkeypatch.chdir("/")
+    recipe = load_recipe(path)
+    assert recipe.data.path == str(tmp_path / "train-*.jsonl")
+    assert recipe.data.eval_path == "held-*.jsonl"  # matches nothing there: relative to where it runs
+
+
 def test_every_field_is_documented():
     undocumented = [key for key, _, _, doc in field_docs(Recipe) if not doc]
     assert undocumented == []

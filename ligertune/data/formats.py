@@ -20,6 +20,7 @@ like lines.
 
 from __future__ import annotations
 
+import glob
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,13 +75,45 @@ class BadRecord:
 
 def is_local(path: str) -> bool:
     """A source is a local file when it exists, names a data file, or is meant as a path
-    (`ligertune.hub.meant_as_path`: `./x`, `a/b/c`, `data/x` beside a folder `data`); anything else
-    is a hub dataset name."""
+    (`ligertune.hub.meant_as_path`: `./x`, `a/b/c`, `data/x` beside a folder `data`, a pattern such
+    as `shards/*.jsonl`); anything else is a hub dataset name."""
     return Path(path).suffix.lower() in LOCAL_SUFFIXES or hub.meant_as_path(path)
 
 
+def is_pattern(path: str) -> bool:
+    """`path` names several files by a glob pattern (`*`, `?`, `[...]`; `**` for any folders)."""
+    return glob.has_magic(path)
+
+
+def local_files(path: str) -> list[Path]:
+    """The files a local source names: the file itself, or every file a pattern matches, in name order.
+
+    A folder is refused rather than read whole: a downloaded hub dataset keeps each split's files in
+    one folder, and reading them all would train on the test split. Raises `DataError`.
+    """
+    expanded = str(Path(path).expanduser())
+    if is_pattern(path):
+        files = sorted(Path(p) for p in glob.glob(expanded, recursive=True) if Path(p).is_file())
+        if not files:
+            raise DataError(f"{path}: the pattern matches no file")
+    else:
+        files = [Path(expanded)]
+        if not files[0].exists():
+            raise DataError(f"{path}: data file not found")
+        if files[0].is_dir():
+            raise DataError(f"{path}: is a folder; name a .jsonl, .json or .parquet file in it, or its files "
+                            f"by a pattern ({Path(path) / '*.jsonl'})")
+    for file in files:
+        if file.suffix.lower() not in LOCAL_SUFFIXES:
+            named = f"{file} (matched by {path})" if is_pattern(path) else path
+            raise DataError(f"{named}: unsupported file type {file.suffix.lower()!r} "
+                            "(expected .jsonl, .json or .parquet)")
+    return files
+
+
 def iter_records(path: str, *, split: str = "train") -> Iterator[tuple[str, Any]]:
-    """Yield `(origin, record)` for every record of a source, in order.
+    """Yield `(origin, record)` for every record of a source, in order: a file's records, or those of
+    each file a pattern matches, file by file in name order (origins name the file).
 
     A record that cannot be parsed comes back as a `BadRecord` so the caller can apply its
     `on_bad_record` policy; a source that cannot be opened raises `DataError`.
@@ -88,21 +121,15 @@ def iter_records(path: str, *, split: str = "train") -> Iterator[tuple[str, Any]
     if not is_local(path):
         yield from _iter_hub(path, split)
         return
-    file = Path(path).expanduser()
-    if not file.exists():
-        raise DataError(f"{path}: data file not found")
-    if file.is_dir():
-        raise DataError(f"{path}: is a directory; expected a .jsonl, .json or .parquet file")
-    suffix = file.suffix.lower()
-    if suffix not in LOCAL_SUFFIXES:
-        raise DataError(f"{path}: unsupported file type {suffix!r} (expected .jsonl, .json or .parquet)")
-    try:
-        if suffix == ".parquet":
-            yield from _iter_parquet(file, path)
-        else:
-            yield from _iter_json(file, path)
-    except OSError as err:  # permission denied, a special file, an I/O error
-        raise DataError(f"{path}: cannot read: {err.strerror or err}") from None
+    for file in local_files(path):
+        name = str(file) if is_pattern(path) else path
+        try:
+            if file.suffix.lower() == ".parquet":
+                yield from _iter_parquet(file, name)
+            else:
+                yield from _iter_json(file, name)
+        except OSError as err:  # permission denied, a special file, an I/O error
+            raise DataError(f"{name}: cannot read: {err.strerror or err}") from None
 
 
 def _iter_json(file: Path, name: str) -> Iterator[tuple[str, Any]]:
@@ -233,19 +260,20 @@ def _iter_hub(name: str, split: str) -> Iterator[tuple[str, Any]]:
 
 
 def source_fingerprint(path: str) -> str | None:
-    """What identifies a local file's content for the cache: resolved path, size and mtime.
+    """What identifies a local source's content for the cache: each file's resolved path, size and
+    mtime (for a pattern, of every file it matches now: a new shard changes it).
 
     None for hub datasets: they are not cached here (`datasets` keeps its own download cache, and
     their version cannot be known without asking the hub).
     """
-    if is_local(path):
-        file = Path(path).expanduser().resolve()
-        try:
-            st = file.stat()
-        except OSError:
-            return None
-        return f"{file}|{st.st_size}|{st.st_mtime_ns}"
-    return None
+    if not is_local(path):
+        return None
+    try:
+        files = local_files(path)
+        stats = [(file.resolve(), file.stat()) for file in files]
+    except (DataError, OSError):
+        return None
+    return ";".join(f"{file}|{st.st_size}|{st.st_mtime_ns}" for file, st in stats)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import glob
 from pathlib import Path
 from typing import Any
 
@@ -187,9 +188,9 @@ def _shorten(text: str, width: int = 80) -> str:
 
 def resolve_paths(recipe: Recipe, base: Path) -> Recipe:
     """Point relative paths at the recipe's folder when they are found there (`hub.found_in`): a file
-    or folder of that name, or the folder that the path starts with (`data/missing.jsonl` next to a
-    folder `data`: the path is meant there, and a missing file is reported there rather than looked
-    up on the hub)."""
+    or folder of that name, files that a pattern matches, or the folder that the path starts with
+    (`data/missing.jsonl` next to a folder `data`: the path is meant there, and a missing file is
+    reported there rather than looked up on the hub)."""
 
     def local(p: str | None) -> str | None:
         if p is None:
@@ -197,7 +198,7 @@ def resolve_paths(recipe: Recipe, base: Path) -> Recipe:
         expanded = Path(p).expanduser()
         if expanded.is_absolute():
             return str(expanded)
-        return str(base / expanded) if hub.found_in(base, expanded) else p
+        return str(base / expanded) if hub.found_in(base, expanded) or glob.glob(str(base / expanded)) else p
 
     model = dataclasses.replace(recipe.model, name_or_path=local(recipe.model.name_or_path),
                                 tokenizer=local(recipe.model.tokenizer))

@@ -89,7 +89,8 @@ class ModelConfig:
 class DataSource:
     """One data source of several; `weight` or `samples` sets its share."""
 
-    path: str = _field(doc="Local .jsonl/.json/.parquet file, or a hub dataset name.")
+    path: str = _field(doc="Local .jsonl/.json/.parquet file, a pattern of them (`shards/*.jsonl`), or a hub "
+                           "dataset name.")
     format: Literal["auto", "messages", "sharegpt", "prompt_completion", "paired", "paired_conversations",
                     "unpaired"] = _field(
         "auto", "Record format (see `data.format`); `auto` takes `data.format`."
@@ -115,7 +116,8 @@ class DataSource:
 class DataConfig:
     """Chat data, how it is rendered, masked, truncated and packed."""
 
-    path: str | None = _field(None, "One source: local .jsonl/.json/.parquet file or hub dataset name.")
+    path: str | None = _field(None, "One source: local .jsonl/.json/.parquet file, a pattern of them "
+                                    "(`shards/*.jsonl`, read in name order), or a hub dataset name.")
     sources: list[DataSource] = _field(doc="Several sources, each with a weight or a sample count.", factory=list)
     format: Literal["auto", "messages", "sharegpt", "prompt_completion", "paired", "paired_conversations",
                     "unpaired"] = _field(
@@ -141,7 +143,8 @@ class DataConfig:
     on_bad_record: Literal["error", "skip"] = _field(
         "error", "A malformed record stops with its file and line (`error`) or is skipped and counted."
     )
-    eval_path: str | None = _field(None, "Held-out data for evaluation (same format rules).")
+    eval_path: str | None = _field(None, "Held-out data for evaluation (a file, pattern or hub dataset, as "
+                                         "`path`).")
     eval_fraction: float = _field(
         0.0, "Share of the training conversations held out for evaluation when `eval_path` is unset."
     )

@@ -13,6 +13,7 @@ from chat_fixtures import write_jsonl
 
 from ligertune import hub
 from ligertune.data import prepare_data, read_conversations
+from ligertune.data.formats import source_fingerprint
 from ligertune.errors import DataError
 from ligertune.recipe import DataConfig
 
@@ -24,6 +25,10 @@ GOOD_IN = {
     "sharegpt": {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]},
     "prompt_completion": {"prompt": "Hi", "completion": "Hello!"},
 }
+
+
+def conversation_with(question: str) -> dict:
+    return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": "Yes."}]}
 
 
 def config(path: Path, **kwargs) -> DataConfig:
@@ -185,6 +190,47 @@ def test_missing_and_unsupported_files(tmp_path):
     (tmp_path / "train.txt").write_text("hello")
     with pytest.raises(DataError, match="unsupported file type '.txt'"):
         read_conversations(str(tmp_path / "train.txt"))
+
+
+def test_a_pattern_reads_every_file_it_matches_in_name_order(tmp_path):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for i in (1, 0):  # written out of order: read in name order
+        write_jsonl(shards / f"train-0000{i}-of-00002.jsonl",
+                    [conversation_with(f"shard {i}, {n}") for n in (1, 2)])
+    write_jsonl(shards / "test-00000-of-00001.jsonl", [conversation_with("held out")])
+    result = read_conversations(str(shards / "train-*.jsonl"))
+    assert [c.messages[0]["content"] for c in result.conversations] == [
+        "shard 0, 1", "shard 0, 2", "shard 1, 1", "shard 1, 2"]
+    assert [c.origin for c in result.conversations] == [
+        f"{shards / name}:{line}" for name in ("train-00000-of-00002.jsonl", "train-00001-of-00002.jsonl")
+        for line in (1, 2)]
+
+
+def test_a_folder_no_match_and_a_matched_file_of_another_type_are_one_line_each(tmp_path):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_jsonl(shards / "train.jsonl", [GOOD])
+    (shards / "README.md").write_text("# shards")
+    folder = f"{shards}: is a folder; name a .jsonl, .json or .parquet file in it, or its files by a pattern"
+    with pytest.raises(DataError, match=re.escape(f"{folder} ({shards / '*.jsonl'})")):
+        read_conversations(str(shards))
+    with pytest.raises(DataError, match=re.escape(f"{shards / 'x-*.jsonl'}: the pattern matches no file")):
+        read_conversations(str(shards / "x-*.jsonl"))
+    with pytest.raises(DataError, match=re.escape(f"{shards / 'README.md'} (matched by {shards / '*'}): "
+                                                  "unsupported file type '.md'")):
+        read_conversations(str(shards / "*"))
+
+
+def test_a_pattern_s_fingerprint_changes_with_a_new_or_changed_file(tmp_path):
+    write_jsonl(tmp_path / "a-0.jsonl", [GOOD])
+    pattern = str(tmp_path / "a-*.jsonl")
+    first = source_fingerprint(pattern)
+    write_jsonl(tmp_path / "a-1.jsonl", [GOOD])
+    second = source_fingerprint(pattern)
+    write_jsonl(tmp_path / "a-1.jsonl", [GOOD, GOOD])
+    assert len({first, second, source_fingerprint(pattern)}) == 3
+    assert source_fingerprint(str(tmp_path / "b-*.jsonl")) is None
 
 
 @pytest.fixture()

@@ -46,6 +46,7 @@ from typing import Any, Callable, Iterator
 import torch
 from transformers import GenerationConfig, TextStreamer
 
+from ligertune.data.chat import turn_end_ids
 from ligertune.decoding import DecodeStats, Drafter, Sampling, accept_rule, speculative_generate
 from ligertune.devices import resolve_device, resolve_dtype
 from ligertune.errors import UserError, first_line
@@ -434,7 +435,9 @@ def render_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:
-    """Every token that ends a reply: the tokenizer's EOS and the generation config's end tokens.
+    """Every token that ends a reply: the tokenizer's EOS, the token(s) its chat template closes an
+    assistant turn with (`<|im_end|>` under a base model's EOS `<|endoftext|>`), and the generation
+    config's end tokens.
 
     Only special tokens count: a model built from a config carries its architecture's default
     `eos_token_id` (2 for Llama), which in the run's own tokenizer may be an ordinary byte.
@@ -442,7 +445,8 @@ def stop_token_ids(model, tokenizer) -> list[int]:
     special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
     ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     configured = getattr(model.generation_config, "eos_token_id", None)
-    for i in [configured] if isinstance(configured, int) else configured or []:
+    configured = [configured] if isinstance(configured, int) else configured or []
+    for i in [*turn_end_ids(tokenizer), *configured]:
         if i in special and i not in ids:
             ids.append(i)
     return ids

@@ -270,6 +270,23 @@ def label_tokens(
     return labels
 
 
+def turn_end_ids(tokenizer: Any) -> list[int]:
+    """The special token(s) the chat template closes an assistant turn with (`<|im_end|>`, `<|eot_id|>`,
+    `</s>`, `<end_of_turn>`): a reply is over when the model writes one, whatever the tokenizer's EOS.
+
+    Read from the trained tokens of a one-exchange conversation; empty when the template closes the
+    turn with plain text, or refuses the conversation.
+    """
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    try:
+        example = tokenize_conversation(tokenizer, [{"role": "user", "content": "Hi"},
+                                                    {"role": "assistant", "content": "Hello!"}])
+    except ConversationError:
+        return []
+    trained = [t for t in example.labels if t != IGNORE_INDEX]
+    return list(dict.fromkeys(t for t in trained if t in special))
+
+
 def trained_segments(tokenizer: Any, example: TokenizedExample) -> list[tuple[str, bool]]:
     """The example's text as runs `(text, trained)`, decoded run by run (for `ligertune data --show`)."""
     segments: list[tuple[str, bool]] = []

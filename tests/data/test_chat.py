@@ -7,10 +7,15 @@ The implementation finds those segments by diffing prefix renderings, so the two
 
 from __future__ import annotations
 
+import types
+
 import pytest
+from chat_fixtures import make_tokenizer
+from transformers import GenerationConfig
 
 from ligertune.data import IGNORE_INDEX, ConversationError, tokenize_conversation, trained_segments
-from ligertune.data.chat import encode
+from ligertune.data.chat import encode, turn_end_ids
+from ligertune.inference import stop_token_ids
 
 SYSTEM = "Be brief."
 U1, A1 = "Say hi", "Say hi"  # the answer repeats the question word for word
@@ -235,3 +240,26 @@ def test_template_errors_become_conversation_errors(tokenizer_factory):
                 {"role": "assistant", "content": "Hello"}]
     with pytest.raises(ConversationError, match="roles must alternate"):
         tokenize_conversation(tokenizer, messages)
+
+
+@pytest.mark.parametrize("family, closing", [
+    ("chatml", "<|im_end|>"), ("llama3", "<|eot_id|>"), ("mistral", "</s>"), ("gemma", "<end_of_turn>"),
+    ("chatml_last_system", "<|im_end|>")])
+def test_the_turn_end_is_the_special_token_that_closes_an_answer(tokenizer_factory, family, closing):
+    tokenizer = tokenizer_factory(family, "bytelevel")
+    assert tokenizer.convert_ids_to_tokens(turn_end_ids(tokenizer)) == [closing]
+
+
+def test_a_template_that_closes_a_turn_in_plain_text_has_no_turn_end():
+    tokenizer = make_tokenizer("chatml")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n\n{% endfor %}"
+    assert turn_end_ids(tokenizer) == []
+
+
+def test_chat_stops_at_the_template_s_turn_end_under_another_eos(tokenizer_factory):
+    # Gemma's template closes a turn with <end_of_turn>, its EOS is <eos>; a model built from a config
+    # names neither in its generation config.
+    tokenizer = tokenizer_factory("gemma", "bytelevel")
+    model = types.SimpleNamespace(generation_config=GenerationConfig())
+    stops = tokenizer.convert_ids_to_tokens(stop_token_ids(model, tokenizer))
+    assert stops == ["<eos>", "<end_of_turn>"]

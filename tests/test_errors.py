@@ -184,7 +184,9 @@ def test_garbage_in_a_data_file_names_file_and_line(recipe, tmp_path, content, e
 def test_a_directory_as_data_file(recipe, tmp_path):
     (tmp_path / "folder").mkdir()
     line = error_line(invoke("validate", recipe, "--set", "data.path=folder"))
-    assert line == f"error: {tmp_path / 'folder'}: is a directory; expected a .jsonl, .json or .parquet file"
+    folder = tmp_path / "folder"
+    assert line == (f"error: {folder}: is a folder; name a .jsonl, .json or .parquet file in it, or its files "
+                    f"by a pattern ({folder / '*.jsonl'})")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -209,7 +211,7 @@ def test_markup_in_paths_is_printed_as_written(tmp_path):
     assert shown.exit_code == 0, shown.output
     assert "[bold]runs" in shown.output
     line = error_line(invoke("validate", path, "--set", "data.path=[b]missing[/b].jsonl"))
-    assert line == "error: [b]missing[/b].jsonl: data file not found"
+    assert line == "error: [b]missing[/b].jsonl: data file not found (read as a pattern, it matches no file)"
 
 
 def test_bracketed_text_survives_in_messages(recipe, monkeypatch):

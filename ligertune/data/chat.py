@@ -86,9 +86,8 @@ def check_tokenizer(tokenizer: Any, subject: str | None = None) -> None:
         subject = f"the tokenizer {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__}"
     if not getattr(tokenizer, "chat_template", None):
         raise UserError(
-            f"{subject} has no chat template: conversations are rendered with the tokenizer's own "
-            "template, so use a chat/instruct tokenizer (or add a `chat_template` to its "
-            "tokenizer_config.json)"
+            f"{subject} has no chat template: name one with `model.chat_template` (chatml, llama3, "
+            "a .jinja file), or use a chat/instruct tokenizer"
         )
     if not getattr(tokenizer, "is_fast", False):
         raise UserError(

@@ -81,8 +81,9 @@ def is_local(path: str) -> bool:
 
 
 def is_pattern(path: str) -> bool:
-    """`path` names several files by a glob pattern (`*`, `?`, `[...]`; `**` for any folders)."""
-    return glob.has_magic(path)
+    """`path` names several files by a glob pattern (`*`, `?`, `[...]`; `**` for any folders), and no
+    file of that very name exists (`runs [old]/train.jsonl` is a path)."""
+    return glob.has_magic(path) and not Path(path).expanduser().exists()
 
 
 def local_files(path: str) -> list[Path]:
@@ -95,7 +96,7 @@ def local_files(path: str) -> list[Path]:
     if is_pattern(path):
         files = sorted(Path(p) for p in glob.glob(expanded, recursive=True) if Path(p).is_file())
         if not files:
-            raise DataError(f"{path}: the pattern matches no file")
+            raise DataError(f"{path}: data file not found (read as a pattern, it matches no file)")
     else:
         files = [Path(expanded)]
         if not files[0].exists():

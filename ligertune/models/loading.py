@@ -14,6 +14,7 @@ import torch
 
 from ligertune import hub
 from ligertune.data.chat import check_tokenizer
+from ligertune.data.templates import set_chat_template
 from ligertune.devices import resolve_dtype
 from ligertune.errors import EnvironmentFault, UserError, first_line
 from ligertune.models.attention import register_packed_attention
@@ -49,8 +50,9 @@ def attn_implementation(attention: str) -> str:
 
 
 def load_tokenizer(model_cfg: ModelConfig, *, key: str | None = None):
-    """The tokenizer of `model.tokenizer`, else of `model.name_or_path` (local directory or hub id);
-    `key` names the source in errors (default: the one of those two keys that gave it)."""
+    """The tokenizer of `model.tokenizer`, else of `model.name_or_path` (local directory or hub id),
+    with `model.chat_template` when the recipe names one; `key` names the source in errors (default:
+    the one of those two keys that gave it)."""
     from transformers import AutoTokenizer
 
     key = key or ("model.tokenizer" if model_cfg.tokenizer else "model.name_or_path")
@@ -67,6 +69,8 @@ def load_tokenizer(model_cfg: ModelConfig, *, key: str | None = None):
     except (OSError, ValueError, KeyError) as err:
         _raise_offline(source, key, offline)
         raise UserError(f"{key}: cannot load a tokenizer from {source!r}: {first_line(err)}") from None
+    if model_cfg.chat_template is not None:
+        set_chat_template(tokenizer, model_cfg.chat_template, f"the tokenizer of {source}")
     check_tokenizer(tokenizer, f"{key}: the tokenizer of {source}")
     return tokenizer
 

@@ -4,9 +4,9 @@ resolved next to the recipe, and the resolved recipe dumped back to YAML.
 A key given twice in one mapping is a problem (YAML would keep the second silently), and a problem at
 a key written by `--set KEY=VALUE` is reported as that override's.
 
-Paths in a recipe (`model.name_or_path`, `model.tokenizer`, `objective.teacher`, `data.path`,
-`data.sources[].path`, `data.eval_path`) are looked up next to the recipe file first, so a recipe and its data travel
-together; a path that is not there is kept as written (a hub id, or a path relative to the current
+Paths in a recipe (`model.name_or_path`, `model.tokenizer`, a `model.chat_template` file,
+`objective.teacher`, `data.path`, `data.sources[].path`, `data.eval_path`) are looked up next to the
+recipe file first, so a recipe and its data travel together; a path that is not there is kept as written (a hub id, or a path relative to the current
 directory) unless its first folder is there. `output.dir` is relative to the current directory.
 """
 
@@ -200,8 +200,11 @@ def resolve_paths(recipe: Recipe, base: Path) -> Recipe:
             return str(expanded)
         return str(base / expanded) if hub.found_in(base, expanded) or glob.glob(str(base / expanded)) else p
 
+    template = recipe.model.chat_template  # a name, Jinja text, or a file
+    if template is not None and template.endswith(".jinja"):
+        template = local(template)
     model = dataclasses.replace(recipe.model, name_or_path=local(recipe.model.name_or_path),
-                                tokenizer=local(recipe.model.tokenizer))
+                                tokenizer=local(recipe.model.tokenizer), chat_template=template)
     sources = [dataclasses.replace(s, path=local(s.path)) for s in recipe.data.sources]
     data = dataclasses.replace(recipe.data, path=local(recipe.data.path), sources=sources,
                                eval_path=local(recipe.data.eval_path))

@@ -61,6 +61,13 @@ class ModelConfig:
     tokenizer: str | None = _field(
         None, "Hub id or local directory of the tokenizer; defaults to `name_or_path`."
     )
+    chat_template: str | None = _field(
+        None,
+        "The chat template conversations are rendered with, in place of the tokenizer's own (a base "
+        "model's often has none): `chatml` or `llama3` (built in; their markers must be special tokens "
+        "of the vocabulary), a .jinja file (resolved next to the recipe), or Jinja text. Saved with the "
+        "run's tokenizer, so `chat` and `merge` use it too.",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = _field(
         "auto", "Parameter dtype: `auto` is bfloat16 on a GPU and float32 on a CPU."
     )

@@ -207,19 +207,22 @@ def test_a_pattern_reads_every_file_it_matches_in_name_order(tmp_path):
         for line in (1, 2)]
 
 
-def test_a_folder_no_match_and_a_matched_file_of_another_type_are_one_line_each(tmp_path):
+def test_a_pattern_that_matches_no_file_or_a_file_of_another_type_is_one_line(tmp_path):
     shards = tmp_path / "shards"
     shards.mkdir()
     write_jsonl(shards / "train.jsonl", [GOOD])
     (shards / "README.md").write_text("# shards")
-    folder = f"{shards}: is a folder; name a .jsonl, .json or .parquet file in it, or its files by a pattern"
-    with pytest.raises(DataError, match=re.escape(f"{folder} ({shards / '*.jsonl'})")):
-        read_conversations(str(shards))
-    with pytest.raises(DataError, match=re.escape(f"{shards / 'x-*.jsonl'}: the pattern matches no file")):
+    with pytest.raises(DataError, match=re.escape(f"{shards / 'x-*.jsonl'}: data file not found (read as a "
+                                                  "pattern, it matches no file)")):
         read_conversations(str(shards / "x-*.jsonl"))
     with pytest.raises(DataError, match=re.escape(f"{shards / 'README.md'} (matched by {shards / '*'}): "
                                                   "unsupported file type '.md'")):
         read_conversations(str(shards / "*"))
+
+
+def test_a_file_whose_name_has_brackets_is_read_as_that_file(tmp_path):
+    path = write_jsonl(tmp_path / "train [v2].jsonl", [GOOD])
+    assert [c.origin for c in read_conversations(str(path)).conversations] == [f"{path}:1"]
 
 
 def test_a_pattern_s_fingerprint_changes_with_a_new_or_changed_file(tmp_path):

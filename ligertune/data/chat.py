@@ -38,7 +38,7 @@ Example, ChatML (trained characters underlined):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 from ligertune.errors import DataError, UserError
 from ligertune.recipe import IGNORE_INDEX
@@ -51,7 +51,8 @@ PROBE_CHARS_PER_TOKEN = 8
 BOUNDARY_TOKENS = 128
 
 TrainOn = Literal["assistant", "last_assistant", "all"]
-Message = dict[str, str]
+Message = dict[str, Any]
+Tools = Optional[Sequence[dict]]
 
 
 @dataclass
@@ -95,6 +96,33 @@ def check_tokenizer(tokenizer: Any, subject: str | None = None) -> None:
         )
 
 
+def check_renders_tools(tokenizer: Any, conversations: Sequence[Any]) -> None:
+    """Refuse data whose `tools` or tool calls the chat template leaves out of the text (it renders the
+    first conversation that has them the same without them): the model would learn the calls' answers
+    without the calls, or call tools it was never shown. `conversations` are `formats.Conversation`s."""
+    offered = next((c for c in conversations if c.tools), None)
+    if offered is not None and _same_text(tokenizer, offered.messages, offered.tools, offered.messages, None):
+        raise _ignored(offered.origin, "`tools`")
+    called = next((c for c in conversations if any("tool_calls" in m for m in c.messages)), None)
+    if called is not None:
+        without = [{k: v for k, v in m.items() if k != "tool_calls"} for m in called.messages]
+        if _same_text(tokenizer, called.messages, called.tools, without, called.tools):
+            raise _ignored(called.origin, "`tool_calls`")
+
+
+def _same_text(tokenizer: Any, messages: Sequence[Message], tools: Tools, other: Sequence[Message],
+               other_tools: Tools) -> bool:
+    try:
+        return render(tokenizer, messages, tools=tools) == render(tokenizer, other, tools=other_tools)
+    except ConversationError:
+        return False  # a bad record: reported as such when it is tokenized
+
+
+def _ignored(origin: str, what: str) -> DataError:
+    return DataError(f"{origin}: the record has {what}, which the chat template does not write into the "
+                     "text: use a template that renders them (model.chat_template)")
+
+
 def check_roles(messages: Sequence[Message]) -> None:
     """Role order every template accepts: a non-empty list whose only system message comes first."""
     if not messages:
@@ -104,11 +132,14 @@ def check_roles(messages: Sequence[Message]) -> None:
             raise ConversationError(f"message {number}: a system message may only come first")
 
 
-def render(tokenizer: Any, messages: Sequence[Message], *, add_generation_prompt: bool = False) -> str:
-    """The chat template's text for `messages`; a template error becomes `ConversationError`."""
+def render(tokenizer: Any, messages: Sequence[Message], *, add_generation_prompt: bool = False,
+           tools: Tools = None) -> str:
+    """The chat template's text for `messages` (and the `tools` offered, which the template writes
+    where it will); a template error becomes `ConversationError`."""
+    extra = {"tools": list(tools)} if tools else {}
     try:
         return tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **extra
         )
     except Exception as err:  # a template is user code: jinja's raise_exception, TypeError, ...
         raise ConversationError(f"the chat template rejects this conversation: {err}") from None
@@ -151,7 +182,7 @@ def fits(tokenizer: Any, text: str, limit: int) -> bool:
 
 
 def tokenize_conversation(
-    tokenizer: Any, messages: Sequence[Message], *, train_on: TrainOn = "assistant"
+    tokenizer: Any, messages: Sequence[Message], *, train_on: TrainOn = "assistant", tools: Tools = None
 ) -> TokenizedExample:
     """Render `messages` with the tokenizer's chat template and label the trained tokens.
 
@@ -160,12 +191,12 @@ def tokenize_conversation(
     template error raises `ConversationError`.
     """
     check_roles(messages)
-    text = render(tokenizer, messages)
+    text = render(tokenizer, messages, tools=tools)
     input_ids, offsets = encode(tokenizer, text)
     if train_on == "all":
         labels = list(input_ids)
     else:
-        spans = trained_spans(tokenizer, messages, text, train_on=train_on)
+        spans = trained_spans(tokenizer, messages, text, train_on=train_on, tools=tools)
         labels = label_tokens(input_ids, offsets, spans)
     if labels:
         labels[0] = IGNORE_INDEX
@@ -173,7 +204,8 @@ def tokenize_conversation(
 
 
 def trained_spans(
-    tokenizer: Any, messages: Sequence[Message], text: str, *, train_on: TrainOn = "assistant"
+    tokenizer: Any, messages: Sequence[Message], text: str, *, train_on: TrainOn = "assistant",
+    tools: Tools = None,
 ) -> list[tuple[int, int]]:
     """Character spans `[start, end)` of `text` (the full rendering) that carry loss."""
     turns = [k for k, message in enumerate(messages) if message["role"] == "assistant"]
@@ -182,7 +214,7 @@ def trained_spans(
     spans = []
     cursor = 0
     for k in turns:
-        span = locate_turn(tokenizer, messages, k, text, cursor)
+        span = locate_turn(tokenizer, messages, k, text, cursor, tools=tools)
         if span is not None:
             spans.append(span)
             cursor = span[1]
@@ -190,15 +222,15 @@ def trained_spans(
 
 
 def locate_turn(
-    tokenizer: Any, messages: Sequence[Message], k: int, text: str, cursor: int
+    tokenizer: Any, messages: Sequence[Message], k: int, text: str, cursor: int, *, tools: Tools = None
 ) -> tuple[int, int] | None:
     """Where assistant message k's body (content + closing) lies in `text`, searching from `cursor`.
 
     None when the template renders nothing for the turn (nothing to train).
     """
-    turn = render(tokenizer, messages[: k + 1])
+    turn = render(tokenizer, messages[: k + 1], tools=tools)
     try:
-        prompt = render(tokenizer, messages[:k], add_generation_prompt=True)
+        prompt = render(tokenizer, messages[:k], add_generation_prompt=True, tools=tools)
     except ConversationError:  # some templates refuse an empty list, or a prompt ending on a tool turn
         prompt = None
     content = messages[k]["content"].strip()
@@ -224,7 +256,7 @@ def locate_turn(
             return len(context), len(context) + len(piece)
     # The template renders earlier turns differently once later ones exist (a system prompt moved
     # to the last user turn, say): search the text instead.
-    header = _generation_header(tokenizer, messages, k, prompt)
+    header = _generation_header(tokenizer, messages, k, prompt, tools)
     for piece, context in candidates:
         start = _search(text, piece, context, cursor, len(header) + 1)
         if start is not None:
@@ -237,12 +269,13 @@ def locate_turn(
     )
 
 
-def _generation_header(tokenizer: Any, messages: Sequence[Message], k: int, prompt: str | None) -> str:
+def _generation_header(tokenizer: Any, messages: Sequence[Message], k: int, prompt: str | None,
+                       tools: Tools) -> str:
     """What the generation prompt adds after message k-1 (`<|im_start|>assistant\\n`; empty for Mistral)."""
     if prompt is None:
         return ""
     try:
-        before = render(tokenizer, messages[:k])
+        before = render(tokenizer, messages[:k], tools=tools)
     except ConversationError:
         return ""
     return prompt[_common_prefix_len(before, prompt):]

@@ -47,15 +47,17 @@ SHAREGPT_ROLES = {
     "function_response": "tool",
 }
 
-Message = dict[str, str]
+Message = dict[str, Any]  # role and content (a string); an assistant's tool_calls, a tool's tool_call_id
 
 
 @dataclass
 class Conversation:
-    """One normalized conversation and where it came from."""
+    """One normalized conversation, where it came from, and the tools (function definitions) its
+    record offers the model, rendered by the chat template (`apply_chat_template(tools=...)`)."""
 
     messages: list[Message]
     origin: str
+    tools: list[dict] | None = None
 
 
 class RecordError(ValueError):
@@ -386,8 +388,59 @@ def _turns(
             raise RecordError(
                 f"message {number} has unknown {role_name} {speaker!r} (expected {', '.join(roles)})"
             )
-        out.append({"role": roles[speaker], "content": _content(item, content_key, number)})
+        role = roles[speaker]
+        calls = None
+        if role == "assistant" and item.get("tool_calls"):
+            calls = _tool_calls(item["tool_calls"], number)
+        message = {"role": role, "content": _content(item, content_key, number, optional=calls is not None)}
+        if calls is not None:
+            message["tool_calls"] = calls
+        if role == "tool":
+            message.update({k: item[k] for k in ("tool_call_id", "name") if isinstance(item.get(k), str)})
+        out.append(message)
     return out
+
+
+def _tool_calls(calls: Any, number: int) -> list[dict]:
+    """An assistant's tool calls as chat templates take them: `{"type": "function", "function": {"name",
+    "arguments"}}` with the arguments an object (OpenAI writes them as a JSON string), and `id` when given."""
+    if not isinstance(calls, list):
+        raise RecordError(f"message {number}: `tool_calls` must be a list of calls, got {_kind(calls)}")
+    out = []
+    for index, call in enumerate(calls, 1):
+        where = f"message {number}, tool call {index}"
+        function = call.get("function", call) if isinstance(call, dict) else None  # OpenAI nests it
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise RecordError(f"{where}: expected an object with a function `name`, got {_kind(call)}")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except (json.JSONDecodeError, RecursionError, ValueError):
+                raise RecordError(f"{where}: `arguments` is a string but no JSON object") from None
+        if not isinstance(arguments, dict):
+            raise RecordError(f"{where}: `arguments` must be an object, got {_kind(arguments)}")
+        normalized = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+        if isinstance(call.get("id"), str):
+            normalized["id"] = call["id"]
+        out.append(normalized)
+    return out
+
+
+def record_tools(record: Any) -> list[dict] | None:
+    """The function definitions a record offers (`tools`: a list of objects, or that list as a JSON
+    string, as some datasets store it); None without any."""
+    tools = record.get("tools") if isinstance(record, dict) else None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools) if tools.strip() else None
+        except (json.JSONDecodeError, RecursionError, ValueError):
+            raise RecordError("`tools` is a string but no JSON list") from None
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise RecordError(f"`tools` must be a list of function definitions (objects), got {_kind(tools)}")
+    return tools or None
 
 
 def _prompt_completion(record: dict) -> list[Message]:
@@ -416,10 +469,16 @@ def _prompt_completion(record: dict) -> list[Message]:
     return head + tail
 
 
-def _content(item: dict, key: str, number: int) -> str:
+def _content(item: dict, key: str, number: int, *, optional: bool = False) -> str:
+    """The text of a message: a string, or the text parts of a list (`[{"type": "text", "text": ...}]`);
+    `optional` (an assistant turn of tool calls) lets it be absent or null."""
+    content = item.get(key)
+    if content is None and optional:
+        return ""
     if key not in item:
         raise RecordError(f"message {number} has no `{key}`")
-    content = item[key]
+    if isinstance(content, list):
+        content = _text_parts(content, key, number)
     if not isinstance(content, str):
         raise RecordError(f"message {number} has non-string `{key}` (got {_kind(content)})")
     try:
@@ -428,6 +487,20 @@ def _content(item: dict, key: str, number: int) -> str:
         raise RecordError(f"message {number} has invalid text in `{key}`: a lone surrogate "
                           f"{content[err.start]!r} at character {err.start + 1}") from None
     return content
+
+
+def _text_parts(parts: list, key: str, number: int) -> str:
+    texts = []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" and isinstance(kind, str):
+            raise RecordError(f"message {number} has a `{key}` part of type {kind!r}: only text parts are "
+                              "read")
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise RecordError(f"message {number} has {_kind(part)} in its `{key}` list, where text parts "
+                              '{"type": "text", "text": ...} were expected')
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def _kind(value: Any) -> str:
@@ -483,6 +556,10 @@ def read_normalized(path: str, detect: Callable[[Any], str], normalize: Callable
 def read_conversations(path: str, *, fmt: str = "auto", split: str = "train",
                        on_bad_record: str = "error") -> ReadResult:
     """Every record of one source as a conversation (`read_normalized`)."""
-    normalized, records, bad, _ = read_normalized(path, detect_format, normalize, fmt=fmt, split=split,
+    def conversation(record: Any, fmt: str) -> tuple[list[Message], list[dict] | None]:
+        return normalize(record, fmt), record_tools(record)
+
+    normalized, records, bad, _ = read_normalized(path, detect_format, conversation, fmt=fmt, split=split,
                                                   on_bad_record=on_bad_record)
-    return ReadResult([Conversation(messages, origin) for origin, messages in normalized], records, bad)
+    return ReadResult([Conversation(messages, origin, tools) for origin, (messages, tools) in normalized],
+                      records, bad)

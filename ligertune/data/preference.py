@@ -139,6 +139,9 @@ def normalize_preference(record: Any, fmt: str) -> PreferenceRecord:
     """The record as a prompt and its answer(s), or `RecordError` naming the problem."""
     if not isinstance(record, dict):
         raise RecordError(f"expected a JSON object, got {_kind(record)}")
+    if record.get("tools"):  # a prompt scored without the tools it offers would score another question
+        raise RecordError("`tools` are read with chat data (sft, distill, medusa), not with preference "
+                          "records")
     if fmt == "paired":
         prompt = _prompt(record, fmt)
         chosen, rejected = _answer(record, "chosen", fmt), _answer(record, "rejected", fmt)

@@ -45,6 +45,7 @@ from ligertune.data import cache
 from ligertune.data.chat import (
     ConversationError,
     TokenizedExample,
+    check_renders_tools,
     check_roles,
     check_tokenizer,
     fits,
@@ -102,13 +103,13 @@ def process_conversation(tokenizer: Any, conversation: Conversation, settings: T
     tokenized and masked (`chat.fits`); when it cannot fit, it goes straight to the length policy,
     and is counted as it would be after tokenizing it all.
     """
-    messages = conversation.messages
+    messages, tools = conversation.messages, conversation.tools
     try:
         if sum(len(m["content"]) for m in messages) > probe_chars(settings.max_seq_len):
             check_roles(messages)
-            if not fits(tokenizer, render(tokenizer, messages), settings.max_seq_len):
+            if not fits(tokenizer, render(tokenizer, messages, tools=tools), settings.max_seq_len):
                 return fit_too_long(tokenizer, conversation, settings)
-        example = tokenize_conversation(tokenizer, messages, train_on=settings.train_on)
+        example = tokenize_conversation(tokenizer, messages, train_on=settings.train_on, tools=tools)
         if example.trained_tokens == 0:
             return Outcome("no_trained_tokens")
         if len(example) > settings.max_seq_len:
@@ -125,7 +126,8 @@ def fit_too_long(tokenizer: Any, conversation: Conversation, settings: TokenizeS
         return Outcome("no_trained_tokens")  # what tokenizing it would have found first
     if settings.truncation == "drop":
         return Outcome("too_long")
-    example, removed = drop_trailing_turns(tokenizer, conversation.messages, settings)
+    example, removed = drop_trailing_turns(tokenizer, conversation.messages, settings,
+                                           tools=conversation.tools)
     if example is None:
         return Outcome("too_long")
     if example.trained_tokens == 0:
@@ -135,7 +137,8 @@ def fit_too_long(tokenizer: Any, conversation: Conversation, settings: TokenizeS
 
 
 def drop_trailing_turns(
-    tokenizer: Any, messages: Sequence[dict], settings: TokenizeSettings
+    tokenizer: Any, messages: Sequence[dict], settings: TokenizeSettings, *,
+    tools: Sequence[dict] | None = None,
 ) -> tuple[TokenizedExample | None, int]:
     """The longest prefix ending on an assistant turn that fits, and how many messages it lost.
 
@@ -146,13 +149,13 @@ def drop_trailing_turns(
     lo, hi, best = 0, len(cuts) - 1, None
     while lo <= hi:
         mid = (lo + hi) // 2
-        if fits(tokenizer, render(tokenizer, messages[: cuts[mid]]), settings.max_seq_len):
+        if fits(tokenizer, render(tokenizer, messages[: cuts[mid]], tools=tools), settings.max_seq_len):
             best, lo = cuts[mid], mid + 1
         else:
             hi = mid - 1
     if best is None:
         return None, 0
-    example = tokenize_conversation(tokenizer, messages[:best], train_on=settings.train_on)
+    example = tokenize_conversation(tokenizer, messages[:best], train_on=settings.train_on, tools=tools)
     return example, len(messages) - best
 
 
@@ -292,6 +295,7 @@ def load_sources(cfg: DataConfig, tokenizer: Any, sources: Sequence[DataSource],
             results.append(SourceData(examples, stats, meta["bad"]))
             continue
         read = read_conversations(source.path, fmt=fmt, split=source.split, on_bad_record=cfg.on_bad_record)
+        check_renders_tools(tokenizer, read.conversations)
         stats = SourceStats(source.path, records=read.records, bad_records=len(read.bad))
         data = SourceData([], stats, read.bad)
         results.append(data)

@@ -138,6 +138,24 @@ CHATML_THINK = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 
+# Tools in the system turn and tool calls as JSON lines in the assistant's turn, after the layout of
+# the tool-calling ChatML templates (a tool's result is a turn of its own).
+CHATML_TOOLS = (
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\nTools:' -}}"
+    "{%- for tool in tools -%}{{- '\n' + tool | tojson -}}{%- endfor -%}"
+    "{{- '<|im_end|>\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] -}}"
+    "{%- for call in message.get('tool_calls', []) -%}"
+    "{{- '<tool_call>' + call['function'] | tojson + '</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+)
+
 FAMILIES = {
     "chatml": dict(chat_template=CHATML, bos_token=None, eos_token="<|im_end|>"),
     "llama3": dict(chat_template=LLAMA3, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>"),
@@ -146,6 +164,7 @@ FAMILIES = {
     "mistral_last_system": dict(chat_template=MISTRAL_LAST_SYSTEM, bos_token="<s>", eos_token="</s>"),
     "chatml_last_system": dict(chat_template=CHATML_LAST_SYSTEM, bos_token=None, eos_token="<|im_end|>"),
     "chatml_think": dict(chat_template=CHATML_THINK, bos_token=None, eos_token="<|im_end|>"),
+    "chatml_tools": dict(chat_template=CHATML_TOOLS, bos_token=None, eos_token="<|im_end|>"),
 }
 
 

@@ -13,8 +13,10 @@ import pytest
 from chat_fixtures import make_tokenizer
 from transformers import GenerationConfig
 
-from ligertune.data import IGNORE_INDEX, ConversationError, tokenize_conversation, trained_segments
-from ligertune.data.chat import encode, turn_end_ids
+from ligertune.data import (IGNORE_INDEX, Conversation, ConversationError, tokenize_conversation,
+                            trained_segments)
+from ligertune.data.chat import check_renders_tools, encode, turn_end_ids
+from ligertune.errors import DataError
 from ligertune.inference import stop_token_ids
 
 SYSTEM = "Be brief."
@@ -263,3 +265,36 @@ def test_chat_stops_at_the_template_s_turn_end_under_another_eos(tokenizer_facto
     model = types.SimpleNamespace(generation_config=GenerationConfig())
     stops = tokenizer.convert_ids_to_tokens(stop_token_ids(model, tokenizer))
     assert stops == ["<eos>", "<end_of_turn>"]
+
+
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+CALLING = [
+    {"role": "user", "content": "Weather?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "weather", "arguments": {"city": "Oslo"}}}]},
+    {"role": "tool", "content": "sunny"},
+    {"role": "assistant", "content": "Sunny."},
+]
+
+
+def test_tool_calls_are_trained_and_tools_and_results_are_not(tokenizer_factory):
+    tokenizer = tokenizer_factory("chatml_tools", "bytelevel")
+    example = tokenize_conversation(tokenizer, CALLING, tools=TOOLS)
+    text = tokenizer.decode(example.input_ids)
+    assert text.startswith('<|im_start|>system\nTools:\n{"type": "function"')  # the tools reach the text
+    trained = tokenizer.decode([t for t in example.labels if t != IGNORE_INDEX])
+    assert trained == ('<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call><|im_end|>'
+                       "Sunny.<|im_end|>")
+
+
+def test_data_whose_tools_the_template_leaves_out_is_refused(tokenizer_factory):
+    offered = Conversation([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+                           "train.jsonl:4", TOOLS)
+    called = Conversation(CALLING, "train.jsonl:7")
+    check_renders_tools(tokenizer_factory("chatml_tools", "bytelevel"), [called, offered])
+    chatml = tokenizer_factory("chatml", "bytelevel")
+    with pytest.raises(DataError, match=r"^train.jsonl:4: the record has `tools`, which the chat template "
+                                        r"does not write into the text: use a template that renders them"):
+        check_renders_tools(chatml, [called, offered])
+    with pytest.raises(DataError, match=r"^train.jsonl:7: the record has `tool_calls`, which"):
+        check_renders_tools(chatml, [called])

@@ -75,6 +75,35 @@ def test_formats_normalize_to_messages(tmp_path, record, fmt, expected):
     assert [c.origin for c in result.conversations] == [f"{path}:1", f"{path}:2"]
 
 
+
+def test_tool_calls_tools_and_text_parts_normalize_as_chat_templates_take_them(tmp_path):
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    record = {
+        "tools": json.dumps(tools),  # some datasets store them as a JSON string
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Weather "},
+                                         {"type": "text", "text": "in Oslo?"}]},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}},
+                {"name": "weather", "arguments": {"city": "Bergen"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny", "extra": 1},
+            {"role": "assistant", "content": "Sunny.", "tool_calls": []},
+        ],
+    }
+    path = write_jsonl(tmp_path / "train.jsonl", [record, {"messages": record["messages"]}])
+    with_tools, without = read_conversations(str(path)).conversations
+    assert with_tools.tools == tools and without.tools is None
+    assert with_tools.messages == [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "weather", "arguments": {"city": "Oslo"}},
+             "id": "call_1"},
+            {"type": "function", "function": {"name": "weather", "arguments": {"city": "Bergen"}}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+        {"role": "assistant", "content": "Sunny."},
+    ]
+
 MALFORMED = [
     pytest.param('{"messages": [{"role": "user", "content": "Hi"}', "auto", "invalid JSON",
                  id="invalid-json"),
@@ -89,8 +118,30 @@ MALFORMED = [
         {"messages": [{"role": "user", "content": "Hi"}, {"role": "bot", "content": "Hello"}]}, "auto",
         "message 2 has unknown role 'bot' (expected system, user, assistant, tool)", id="unknown-role",
     ),
+    pytest.param({"messages": [{"role": "user", "content": 3}]}, "auto",
+                 "message 1 has non-string `content` (got int)", id="non-string-content"),
     pytest.param({"messages": [{"role": "user", "content": ["Hi"]}]}, "auto",
-                 "message 1 has non-string `content` (got a list)", id="non-string-content"),
+                 'message 1 has a string in its `content` list, where text parts {"type": "text", '
+                 '"text": ...} were expected', id="content-list-of-strings"),
+    pytest.param({"messages": [{"role": "user",
+                                "content": [{"type": "image_url", "image_url": "x.png"}]}]}, "auto",
+                 "message 1 has a `content` part of type 'image_url': only text parts are read",
+                 id="image-part"),
+    pytest.param({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}]},
+                 "auto", "message 2 has non-string `content` (got null)",
+                 id="null-content-without-tool-calls"),
+    pytest.param({"messages": [{"role": "user", "content": "Hi"},
+                               {"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]},
+                 "auto", "message 2, tool call 1: expected an object with a function `name`, got an object",
+                 id="tool-call-without-name"),
+    pytest.param({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{'a': 1}"}}]}]},
+                 "auto", "message 2, tool call 1: `arguments` is a string but no JSON object",
+                 id="arguments-not-json"),
+    pytest.param({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+                  "tools": {"name": "f"}},
+                 "auto", "`tools` must be a list of function definitions (objects), got an object",
+                 id="tools-object"),
     pytest.param({"messages": [{"role": "user"}]}, "auto", "message 1 has no `content`",
                  id="missing-content"),
     pytest.param({"conversations": [{"from": "human", "value": "Hi"}, {"from": "bot", "value": "Hello"}]},

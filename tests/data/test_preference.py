@@ -372,6 +372,9 @@ LABEL = "`label` must be true (desirable) or false (undesirable), got"
     pytest.param({"prompt": "Hi", "completion": "a", "label": 1}, "unpaired", f"{LABEL} 1", id="label-int"),
     pytest.param({"prompt": "Hi", "completion": "a", "label": "good"}, "unpaired", f"{LABEL} 'good'",
                  id="label-str"),
+    pytest.param({"prompt": "Hi", "chosen": "a", "rejected": "b", "tools": [{"name": "f"}]}, "paired",
+                 "`tools` are read with chat data (sft, distill, medusa), not with preference records",
+                 id="tools"),
 ])
 def test_bad_record_names_file_and_line(tmp_path, bad, fmt, problem):
     path = write_jsonl(tmp_path / "prefs.jsonl", [GOOD[fmt], bad, GOOD[fmt]])

@@ -238,3 +238,25 @@ def test_worker_processes_give_the_same_outcomes(tmp_path, tokenizer_factory):
     assert {o.status for o in serial} >= {"ok", "truncated", "bad"}
     assert [as_tuples([o.example]) if o.example else o.problem for o in parallel] == [
         as_tuples([o.example]) if o.example else o.problem for o in serial]
+
+
+def test_a_record_s_tools_reach_its_tokens_through_the_pool_and_the_cache(tmp_path, tokenizer_factory,
+                                                                           monkeypatch):
+    monkeypatch.setattr(prepare_module, "PARALLEL_MIN_PER_WORKER", 1)
+    tokenizer = tokenizer_factory("chatml_tools")
+    tools = [{"type": "function", "function": {"name": "weather"}}]
+    calling = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "tool_calls": [{"function": {"name": "weather", "arguments": "{}"}}]},
+               {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}]
+    records = [{"messages": calling, "tools": tools} if i % 2 else conversation(i) for i in range(40)]
+    path = write_jsonl(tmp_path / "train.jsonl", records)
+    normalized = read_conversations(str(path)).conversations
+    expected = [tokenize_conversation(tokenizer, c.messages, tools=c.tools) for c in normalized]
+    assert expected[1].input_ids != tokenize_conversation(tokenizer, normalized[1].messages).input_ids
+    for workers, cached in ((1, False), (2, False), (1, True)):  # serial, two processes, from the cache
+        cfg = config(path, cache_dir=str(tmp_path / "cache") if cached else None, num_workers=workers)
+        if cached:
+            prepare(cfg, tokenizer)
+        data = prepare(cfg, tokenizer)
+        assert [(e.input_ids, e.labels) for e in data.train] == [(e.input_ids, e.labels) for e in expected]
+        assert [s.cached for s in data.stats.sources] == [cached]

@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterator
 import torch
 from transformers import GenerationConfig, TextStreamer
 
-from ligertune.data.chat import turn_end_ids
+from ligertune.data.chat import special_ids, turn_end_ids
 from ligertune.decoding import DecodeStats, Drafter, Sampling, accept_rule, speculative_generate
 from ligertune.devices import resolve_device, resolve_dtype
 from ligertune.errors import UserError, first_line
@@ -442,7 +442,7 @@ def stop_token_ids(model, tokenizer) -> list[int]:
     Only special tokens count: a model built from a config carries its architecture's default
     `eos_token_id` (2 for Llama), which in the run's own tokenizer may be an ordinary byte.
     """
-    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    special = special_ids(tokenizer)
     ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     configured = getattr(model.generation_config, "eos_token_id", None)
     configured = [configured] if isinstance(configured, int) else configured or []

@@ -38,7 +38,7 @@ Example, ChatML (trained characters underlined):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Iterable, Literal, Optional, Sequence
 
 from ligertune.errors import DataError, UserError
 from ligertune.recipe import IGNORE_INDEX
@@ -96,14 +96,19 @@ def check_tokenizer(tokenizer: Any, subject: str | None = None) -> None:
         )
 
 
-def check_renders_tools(tokenizer: Any, conversations: Sequence[Any]) -> None:
+def check_renders_tools(tokenizer: Any, conversations: Iterable[Any]) -> None:
     """Refuse data whose `tools` or tool calls the chat template leaves out of the text (it renders the
     first conversation that has them the same without them): the model would learn the calls' answers
-    without the calls, or call tools it was never shown. `conversations` are `formats.Conversation`s."""
-    offered = next((c for c in conversations if c.tools), None)
+    without the calls, or call tools it was never shown. `conversations` are `formats.Conversation`s,
+    read once."""
+    offered = called = None
+    for conversation in conversations:
+        offered = offered or (conversation if conversation.tools else None)
+        called = called or (conversation if any("tool_calls" in m for m in conversation.messages) else None)
+        if offered and called:
+            break
     if offered is not None and _same_text(tokenizer, offered.messages, offered.tools, offered.messages, None):
         raise _ignored(offered.origin, "`tools`")
-    called = next((c for c in conversations if any("tool_calls" in m for m in c.messages)), None)
     if called is not None:
         without = [{k: v for k, v in m.items() if k != "tool_calls"} for m in called.messages]
         if _same_text(tokenizer, called.messages, called.tools, without, called.tools):
@@ -302,6 +307,11 @@ def label_tokens(
     return labels
 
 
+def special_ids(tokenizer: Any) -> set[int]:
+    """The ids of the tokenizer's special tokens, added ones (a base vocabulary's `<|im_end|>`) included."""
+    return set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+
+
 def turn_end_ids(tokenizer: Any) -> list[int]:
     """The special token(s) the chat template closes an assistant turn with (`<|im_end|>`, `<|eot_id|>`,
     `</s>`, `<end_of_turn>`): a reply is over when the model writes one, whatever the tokenizer's EOS.
@@ -309,7 +319,7 @@ def turn_end_ids(tokenizer: Any) -> list[int]:
     Read from the trained tokens of a one-exchange conversation; empty when the template closes the
     turn with plain text, or refuses the conversation.
     """
-    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    special = special_ids(tokenizer)
     try:
         example = tokenize_conversation(tokenizer, [{"role": "user", "content": "Hi"},
                                                     {"role": "assistant", "content": "Hello!"}])

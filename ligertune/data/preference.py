@@ -77,6 +77,7 @@ from ligertune.data.chat import (
     check_tokenizer,
     encode,
     fits,
+    check_renders_tools,
     label_tokens,
     locate_turn,
     probe_chars,
@@ -84,17 +85,19 @@ from ligertune.data.chat import (
 )
 from ligertune.data.formats import (
     PREFERENCE_FORMATS,
+    Conversation,
     RecordError,
     _kind,
     _messages,
     detect_preference_format,
     read_normalized,
+    record_tools,
 )
 from ligertune.data.packing import best_fit_decreasing
 from ligertune.data.stats import compact_count
 from ligertune.errors import DataError
 
-Message = dict[str, str]
+Message = dict[str, Any]
 BAD_RECORD_EXAMPLES = 5
 
 
@@ -110,6 +113,7 @@ class PreferencePair:
     chosen: list[Message]
     rejected: list[Message]
     origin: str = ""
+    tools: list[dict] | None = None  # offered in the prompt (`formats.record_tools`)
 
     @property
     def answers(self) -> list[list[Message]]:
@@ -126,6 +130,7 @@ class UnpairedPreference:
     desirable: bool
     origin: str = ""
     mismatched: list[Message] | None = None
+    tools: list[dict] | None = None  # offered in the prompt (`formats.record_tools`)
 
     @property
     def answers(self) -> list[list[Message]]:
@@ -139,17 +144,15 @@ def normalize_preference(record: Any, fmt: str) -> PreferenceRecord:
     """The record as a prompt and its answer(s), or `RecordError` naming the problem."""
     if not isinstance(record, dict):
         raise RecordError(f"expected a JSON object, got {_kind(record)}")
-    if record.get("tools"):  # a prompt scored without the tools it offers would score another question
-        raise RecordError("`tools` are read with chat data (sft, distill, medusa), not with preference "
-                          "records")
+    tools = record_tools(record)
     if fmt == "paired":
         prompt = _prompt(record, fmt)
         chosen, rejected = _answer(record, "chosen", fmt), _answer(record, "rejected", fmt)
         if chosen == rejected:
             raise RecordError("`chosen` and `rejected` are the same answer")
-        return PreferencePair(prompt, chosen, rejected)
+        return PreferencePair(prompt, chosen, rejected, tools=tools)
     if fmt == "paired_conversations":
-        return _split_conversations(record)
+        return dataclasses.replace(_split_conversations(record), tools=tools)
     if fmt == "unpaired":
         prompt = _prompt(record, fmt)
         completion = _answer(record, "completion", fmt)
@@ -157,7 +160,7 @@ def normalize_preference(record: Any, fmt: str) -> PreferenceRecord:
         if not isinstance(label, bool):
             shown = repr(label) if isinstance(label, (str, int, float)) else _kind(label)
             raise RecordError(f"`label` must be true (desirable) or false (undesirable), got {shown}")
-        return UnpairedPreference(prompt, completion, label)
+        return UnpairedPreference(prompt, completion, label, tools=tools)
     raise ValueError(f"unknown preference format {fmt!r} (expected one of {', '.join(PREFERENCE_FORMATS)})")
 
 
@@ -165,8 +168,8 @@ def unpair(pairs: Iterable[PreferencePair]) -> list[UnpairedPreference]:
     """Each pair as two KTO records: the chosen answer desirable, the rejected one not."""
     out = []
     for pair in pairs:
-        out.append(UnpairedPreference(pair.prompt, pair.chosen, True, pair.origin))
-        out.append(UnpairedPreference(pair.prompt, pair.rejected, False, pair.origin))
+        out.append(UnpairedPreference(pair.prompt, pair.chosen, True, pair.origin, tools=pair.tools))
+        out.append(UnpairedPreference(pair.prompt, pair.rejected, False, pair.origin, tools=pair.tools))
     return out
 
 
@@ -391,19 +394,19 @@ class KTOExample(PreferenceUnit):
         return self.answer_lens[0]
 
 
-def render_scored(tokenizer: Any, messages: Sequence[Message], first_answer: int
-                  ) -> tuple[list[int], list[int]]:
+def render_scored(tokenizer: Any, messages: Sequence[Message], first_answer: int, *,
+                  tools: Sequence[dict] | None = None) -> tuple[list[int], list[int]]:
     """`(input_ids, labels)` of a whole conversation, with the assistant turns from message index
     `first_answer` on scored: the turns and labels `tokenize_conversation(train_on="assistant")`
     finds, restricted to the answer (earlier turns are still located, so the search runs as there)."""
     check_roles(messages)
-    text = render(tokenizer, messages)
+    text = render(tokenizer, messages, tools=tools)
     input_ids, offsets = encode(tokenizer, text)
     spans, cursor = [], 0
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        span = locate_turn(tokenizer, messages, k, text, cursor)
+        span = locate_turn(tokenizer, messages, k, text, cursor, tools=tools)
         if span is not None:
             if k >= first_answer:
                 spans.append(span)
@@ -418,14 +421,16 @@ def tokenize_preference(tokenizer: Any, record: PreferenceRecord) -> PreferenceE
     """The record as a unit (see the module docstring). A template that renders the prompt with no
     token in common before the two answers raises `ConversationError`."""
     n = len(record.prompt)
-    rendered = [render_scored(tokenizer, record.prompt + answer, n) for answer in record.answers]
+    rendered = [render_scored(tokenizer, record.prompt + answer, n, tools=record.tools)
+                for answer in record.answers]
     firsts = [_first_scored(labels) for _, labels in rendered]
     if len(rendered) == 2:
         shared = _common_prefix(rendered[0][0], rendered[1][0])
     else:
         (ids, _), = rendered
         try:
-            prompt_ids, _ = encode(tokenizer, render(tokenizer, record.prompt, add_generation_prompt=True))
+            prompt = render(tokenizer, record.prompt, add_generation_prompt=True, tools=record.tools)
+            prompt_ids, _ = encode(tokenizer, prompt)
             shared = _common_prefix(ids, prompt_ids)
         except ConversationError:  # a template that refuses a generation prompt after this prompt
             shared = len(ids)
@@ -480,7 +485,7 @@ def process_preference(tokenizer: Any, record: PreferenceRecord, max_seq_len: in
         for messages in conversations:
             if sum(len(m["content"]) for m in messages) > probe_chars(max_seq_len):
                 check_roles(messages)
-                if not fits(tokenizer, render(tokenizer, messages), max_seq_len):
+                if not fits(tokenizer, render(tokenizer, messages, tools=record.tools), max_seq_len):
                     return PreferenceOutcome("too_long")
         unit = tokenize_preference(tokenizer, record)
     except ConversationError as err:
@@ -595,6 +600,8 @@ def load_preferences(path: str, tokenizer: Any, *, max_seq_len: int, fmt: str = 
     if check_format is not None and read.format is not None:
         check_format(read.format)
     records = read.records
+    check_renders_tools(tokenizer, (Conversation(r.prompt + r.answers[0], r.origin, r.tools)
+                                    for r in records))
     if kto:
         records = [u for r in records for u in (unpair([r]) if isinstance(r, PreferencePair) else [r])]
         if len(records) == 1:  # none: reported below as a source with no unit

@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ligertune.data.chat import ConversationError, tokenize_conversation
+from ligertune.data.chat import ConversationError, special_ids, tokenize_conversation
 from ligertune.errors import UserError, first_line
 
 KEY = "model.chat_template"
@@ -84,7 +84,7 @@ def set_chat_template(tokenizer: Any, value: str, subject: str) -> None:
     """Give `tokenizer` the template `value` names, once it is known to render a conversation with
     special tokens of this vocabulary. `subject` names the tokenizer in errors."""
     text, tokens = template_text(value)
-    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    special = special_ids(tokenizer)
     missing = [t for t in tokens if tokenizer.convert_tokens_to_ids(t) not in special]
     if missing:
         lacks = "none of them" if len(missing) == len(tokens) else "not all"

@@ -255,6 +255,33 @@ def test_unpair_makes_two_kto_records():
                               UnpairedPreference(PROMPT, PAIR.rejected, False)]
 
 
+TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+CALL = {"role": "assistant", "content": None,
+        "tool_calls": [{"type": "function", "function": {"name": "calculator", "arguments": '{"x": "2+2"}'}}]}
+
+
+def test_a_pair_s_tools_reach_its_prompt_and_each_answer_is_its_conversation_with_them(tmp_path):
+    tokenizer = make_tokenizer("chatml_tools")
+    record = {"prompt": [user("What is 2+2?")], "chosen": [CALL], "rejected": [assistant(REJECTED)],
+              "tools": TOOLS}
+    path = write_jsonl(tmp_path / "prefs.jsonl", [record, record])
+    pair = read_preferences(str(path)).records[0]
+    assert pair.tools == TOOLS
+    unit = tokenize_preference(tokenizer, pair)
+    p = unit.prompt_len
+    assert '"calculator"' in tokenizer.decode(unit.input_ids[:p])
+    for answer, (start, end) in zip(pair.answers, unit.answer_spans):
+        alone = tokenize_conversation(tokenizer, pair.prompt + answer, train_on="last_assistant", tools=TOOLS)
+        assert unit.input_ids[:p] + unit.input_ids[start:end] == alone.input_ids
+        assert [IGNORE_INDEX] * p + unit.labels[start:end] == alone.labels
+    assert scored_text(tokenizer, unit, 0) == (
+        '<tool_call>{"name": "calculator", "arguments": {"x": "2+2"}}</tool_call><|im_end|>')
+    kto = load_preferences(str(path), tokenizer, max_seq_len=4096, kto=True).units
+    assert all('"calculator"' in tokenizer.decode(u.input_ids[:u.prompt_len]) for u in kto)
+    with pytest.raises(DataError, match=r"prefs.jsonl:1: the record has `tools`, which the chat template"):
+        load_preferences(str(path), make_tokenizer("chatml"), max_seq_len=4096)
+
+
 # --------------------------------------------------------------------------------------------------
 # Formats, detection, bad records
 
@@ -372,9 +399,8 @@ LABEL = "`label` must be true (desirable) or false (undesirable), got"
     pytest.param({"prompt": "Hi", "completion": "a", "label": 1}, "unpaired", f"{LABEL} 1", id="label-int"),
     pytest.param({"prompt": "Hi", "completion": "a", "label": "good"}, "unpaired", f"{LABEL} 'good'",
                  id="label-str"),
-    pytest.param({"prompt": "Hi", "chosen": "a", "rejected": "b", "tools": [{"name": "f"}]}, "paired",
-                 "`tools` are read with chat data (sft, distill, medusa), not with preference records",
-                 id="tools"),
+    pytest.param({"prompt": "Hi", "chosen": "a", "rejected": "b", "tools": "[{"}, "paired",
+                 "`tools` is a string but no JSON list", id="tools-not-json"),
 ])
 def test_bad_record_names_file_and_line(tmp_path, bad, fmt, problem):
     path = write_jsonl(tmp_path / "prefs.jsonl", [GOOD[fmt], bad, GOOD[fmt]])

@@ -422,12 +422,14 @@ def require_chat_template(loaded: LoadedModel) -> None:
                         "needs to render the conversation")
 
 
-def render_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """The token ids of `messages` through the tokenizer's chat template, opening the assistant's turn."""
+def render_prompt(tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
+    """The token ids of `messages` (and the `tools` offered) through the tokenizer's chat template,
+    opening the assistant's turn."""
     if not getattr(tokenizer, "chat_template", None):
         raise UserError("the tokenizer has no chat template: chat needs one to render the conversation")
+    extra = {"tools": tools} if tools else {}
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
     except Exception as err:  # jinja2's TemplateError, raised by the template itself (e.g. "no system role")
         raise UserError(f"the chat template refused the conversation: {first_line(err)}") from None
     # The template writes its own special tokens (BOS included); adding them again would double them.
@@ -475,9 +477,11 @@ def generate_reply(
     seed: int | None = None,
     draft: Drafter | None = None,
     accept: str = "exact",
+    tools: list[dict] | None = None,
     on_text: Callable[[str], None] | None = None,
 ) -> Reply:
-    """The model's next assistant turn after `messages` (role/content dicts).
+    """The model's next assistant turn after `messages` (role/content dicts), offered `tools`
+    (function definitions, written by the chat template) when given.
 
     `temperature=0` decodes greedily (the same answer every time); above 0 it samples with nucleus
     `top_p`, under `seed` when given (the global random state is left as it was). `on_text`
@@ -488,7 +492,7 @@ def generate_reply(
     ones follow `accept` (`exact`: the plain sampling distribution; `typical`: Medusa's rule).
     """
     check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, accept=accept)
-    prompt_ids = render_prompt(tokenizer, messages)
+    prompt_ids = render_prompt(tokenizer, messages, tools)
     device = next(model.parameters()).device
     stops = stop_token_ids(model, tokenizer)
     streamer = _TextCallback(tokenizer, on_text) if on_text is not None else None
@@ -583,15 +587,17 @@ class ChatSession:
         self.system = system or None
         self.turns: list[dict[str, str]] = []
         self.generation = generation
-        """Keyword arguments of `generate_reply`: max_new_tokens, temperature, top_p, seed, draft, accept."""
+        """Keyword arguments of `generate_reply`: max_new_tokens, temperature, top_p, seed, draft, accept,
+        tools."""
 
     @property
     def messages(self) -> list[dict[str, str]]:
         head = [{"role": "system", "content": self.system}] if self.system else []
         return head + self.turns
 
-    def ask(self, text: str, *, on_text: Callable[[str], None] | None = None) -> Reply:
-        question = {"role": "user", "content": text}
+    def ask(self, text: str, *, role: str = "user", on_text: Callable[[str], None] | None = None) -> Reply:
+        """The reply to `text`, a user's message (or with `role="tool"`, a tool's result)."""
+        question = {"role": role, "content": text}
         reply = generate_reply(self.model, self.tokenizer, [*self.messages, question], on_text=on_text,
                                **self.generation)
         self.turns += [question, {"role": "assistant", "content": reply.text}]

@@ -13,9 +13,10 @@ from rich.text import Text
 
 from ligertune.cli.interrupts import INTERRUPTS, is_ctrl_c
 from ligertune.cli.options import DeviceOpt, TrustRemoteCodeOpt
-from ligertune.errors import UserError
+from ligertune.errors import UserError, first_line
 
-HELP = "/system TEXT sets the system prompt and starts over, /reset starts over, /exit (or Ctrl-D) quits"
+HELP = ("/system TEXT sets the system prompt and starts over, /tool TEXT answers a tool call with its "
+        "result, /reset starts over, /exit (or Ctrl-D) quits")
 
 
 def chat(
@@ -33,6 +34,10 @@ def chat(
     ] = False,
     system: Annotated[
         Optional[str], typer.Option("--system", help="System prompt.", show_default=False)
+    ] = None,
+    tools: Annotated[
+        Optional[Path], typer.Option("--tools", help="A JSON file of function definitions to offer the "
+                                     "model (a list, as a data record's `tools`).", show_default=False)
     ] = None,
     temperature: Annotated[
         float, typer.Option("--temperature", "-t", help="0 answers greedily (the same answer every time); "
@@ -90,8 +95,10 @@ def chat(
     transformers.utils.logging.disable_progress_bar()
     loaded = load_for_inference(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     require_chat_template(loaded)
+    offered = None if tools is None else read_tools(tools, loaded.tokenizer)
     session = ChatSession(loaded.model, loaded.tokenizer, system=system, max_new_tokens=max_new_tokens,
-                          temperature=temperature, top_p=top_p, seed=seed, draft=drafter, accept=accept)
+                          temperature=temperature, top_p=top_p, seed=seed, draft=drafter, accept=accept,
+                          tools=offered)
     note = Console(stderr=True, highlight=False, soft_wrap=True)
     if prompt is None:
         mode = "greedy" if temperature == 0 else f"temperature {temperature:g}, top-p {top_p:g}"
@@ -104,7 +111,8 @@ def chat(
         return
     if json_:
         reply = session.ask(prompt)
-        print(json.dumps({"model": str(model), "system": system, "prompt": prompt, "answer": reply.text,
+        print(json.dumps({"model": str(model), "system": system, "tools": offered, "prompt": prompt,
+                          "answer": reply.text,
                           "prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens,
                           "finish_reason": reply.finish_reason, "temperature": temperature, "top_p": top_p,
                           "max_new_tokens": max_new_tokens, "seed": seed, "draft": draft,
@@ -146,22 +154,54 @@ def interact(session, console: Console) -> None:
                 session.set_system(argument.strip())
                 state = "set" if session.system else "cleared"
                 console.print(f"[dim]system prompt {state}; new conversation[/]")
+            elif command == "/tool" and argument.strip():
+                answer(session, console, argument.strip(), role="tool")
             else:  # the user's text, as Text: `/[/x]` is not rich markup
                 console.print(Text.assemble((f"unknown command {command}", "yellow"), f": {HELP}"))
             continue
-        try:
-            reply = session.ask(line, on_text=write)
-        except INTERRUPTS as err:
-            if not is_ctrl_c(err):
-                raise
-            console.print("\n[dim]interrupted; the question is dropped[/]")
-            continue
-        except UserError as err:  # e.g. a chat template without a system role: the loop goes on
-            console.print(Text.assemble(("error:", "bold red"), " ", str(err)))
-            continue
-        write("\n")
-        if reply.finish_reason == "length":
-            console.print(f"[dim](stopped at {reply.completion_tokens} tokens: --max-new-tokens)[/]")
+        answer(session, console, line)
+
+
+def answer(session, console: Console, text: str, *, role: str = "user") -> None:
+    """Ask `text` (a user's message, or a tool's result) and stream the reply; an interrupted reply or
+    an error leaves the conversation as it was."""
+    try:
+        reply = session.ask(text, role=role, on_text=write)
+    except INTERRUPTS as err:
+        if not is_ctrl_c(err):
+            raise
+        console.print("\n[dim]interrupted; the question is dropped[/]")
+        return
+    except UserError as err:  # e.g. a chat template without a system role: the loop goes on
+        console.print(Text.assemble(("error:", "bold red"), " ", str(err)))
+        return
+    write("\n")
+    if reply.finish_reason == "length":
+        console.print(f"[dim](stopped at {reply.completion_tokens} tokens: --max-new-tokens)[/]")
+
+
+def read_tools(path: Path, tokenizer) -> list[dict]:
+    """The function definitions of a `--tools` file, once the model's chat template is known to write them."""
+    from ligertune.data.chat import ConversationError, render
+    from ligertune.data.formats import RecordError, record_tools
+
+    try:
+        tools = record_tools({"tools": json.loads(path.read_text(encoding="utf-8"))})
+    except FileNotFoundError:
+        raise UserError(f"--tools: {path}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecordError) as err:
+        raise UserError(f"--tools: {path}: {first_line(err)}") from None
+    if not tools:
+        raise UserError(f"--tools: {path}: no function definitions in it")
+    probe = [{"role": "user", "content": "Hi"}]
+    try:
+        ignored = render(tokenizer, probe, add_generation_prompt=True, tools=tools) == render(
+            tokenizer, probe, add_generation_prompt=True)
+    except ConversationError as err:
+        raise UserError(f"--tools: {path}: {err}") from None
+    if ignored:
+        raise UserError("--tools: the model's chat template does not write tools into the prompt")
+    return tools
 
 
 def write(text: str) -> None:

@@ -173,7 +173,7 @@ def test_interactive_loop_keeps_history_and_obeys_commands(lora_run: Path, monke
 
     monkeypatch.setattr(ligertune.inference, "generate_reply", fake_reply)
     lines = ["hello", "and then?", "/system Be brief.", "hi", "/bogus", "/reset", "boom", "hi", "/system",
-             "bye", "/exit", "never read"]
+             "bye", "/tool sunny", "/exit", "never read"]
     result = invoke("chat", lora_run, input="\n".join(lines) + "\n")
     assert result.exit_code == 0, result.output + result.stderr
 
@@ -187,8 +187,9 @@ def test_interactive_loop_keeps_history_and_obeys_commands(lora_run: Path, monke
         [system, user("hi")],
         [system, user("hi")],
         [user("bye")],
+        [user("bye"), {"role": "assistant", "content": "reply 5"}, {"role": "tool", "content": "sunny"}],
     ]
-    for n in range(1, 6):
+    for n in range(1, 7):
         assert f"reply {n}\n" in result.stdout
     assert "unknown command /bogus" in result.stdout
     assert "error: the chat template refused the conversation" in result.stdout  # and the loop went on
@@ -234,3 +235,37 @@ def test_chat_user_errors(lora_run: Path, tmp_path: Path):
     assert invoke("merge", lora_run, "--output", no_template).exit_code == 0
     (no_template / "chat_template.jinja").unlink()
     assert_user_error(invoke("chat", no_template, "-p", "hi"), f"{no_template}: its tokenizer has no chat")
+
+
+# ChatML that writes the tools offered into a system turn of their own.
+CHATML_TOOLS = (
+    "{%- if tools -%}{{- '<|im_start|>system\\nTools: ' + tools | tojson + '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def test_tools_are_offered_through_the_template_and_refused_where_it_ignores_them(lora_run: Path,
+                                                                                   tmp_path: Path):
+    from transformers import AutoTokenizer
+
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    (tmp_path / "tools.json").write_text(json.dumps(tools))
+    assert_user_error(invoke("chat", lora_run, "-p", "hi", "--tools", tmp_path / "tools.json"),
+                      "--tools: the model's chat template does not write tools into the prompt")
+    merged = tmp_path / "merged"
+    assert invoke("merge", lora_run, "--output", merged).exit_code == 0
+    (merged / "chat_template.jinja").write_text(CHATML_TOOLS)
+    reply = one_shot(merged, "-p", QUESTION, "-n", 3, "--tools", tmp_path / "tools.json")
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    assert reply["tools"] == tools
+    question = [{"role": "user", "content": QUESTION}]
+    assert reply["prompt_tokens"] == len(render_prompt(tokenizer, question, tools))
+    assert reply["prompt_tokens"] > len(render_prompt(tokenizer, question))
+    (tmp_path / "bad.json").write_text('{"name": "weather"}')
+    assert_user_error(invoke("chat", merged, "-p", "hi", "--tools", tmp_path / "bad.json"),
+                      "--tools: ", "`tools` must be a list of function definitions")
+    assert_user_error(invoke("chat", merged, "-p", "hi", "--tools", tmp_path / "absent.json"),
+                      "--tools: ", "absent.json: no such file")

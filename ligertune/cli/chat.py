@@ -33,7 +33,8 @@ def chat(
                            "settings as one JSON object.")
     ] = False,
     system: Annotated[
-        Optional[str], typer.Option("--system", help="System prompt.", show_default=False)
+        Optional[str], typer.Option("--system", help="System prompt; by default the run's "
+                                    "data.system_prompt, if it trained under one.", show_default=False)
     ] = None,
     tools: Annotated[
         Optional[Path], typer.Option("--tools", help="A JSON file of function definitions to offer the "
@@ -84,6 +85,7 @@ def chat(
         load_for_inference,
         locate_model,
         require_chat_template,
+        run_recipe,
     )
 
     if json_ and prompt is None:
@@ -95,6 +97,9 @@ def chat(
     transformers.utils.logging.disable_progress_bar()
     loaded = load_for_inference(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     require_chat_template(loaded)
+    if system is None:  # the system prompt the run trained under, if any
+        recipe = run_recipe(loaded.source)
+        system = recipe.data.system_prompt if recipe is not None else None
     offered = None if tools is None else read_tools(tools, loaded.tokenizer)
     session = ChatSession(loaded.model, loaded.tokenizer, system=system, max_new_tokens=max_new_tokens,
                           temperature=temperature, top_p=top_p, seed=seed, draft=drafter, accept=accept,

@@ -128,6 +128,13 @@ def _ignored(origin: str, what: str) -> DataError:
                      "text: use a template that renders them (model.chat_template)")
 
 
+def with_system(messages: list[Message], system: str | None) -> list[Message]:
+    """`messages` opened by the system message `system` (`data.system_prompt`), unless they have one."""
+    if not system or (messages and messages[0]["role"] == "system"):
+        return messages
+    return [{"role": "system", "content": system}, *messages]
+
+
 def check_roles(messages: Sequence[Message]) -> None:
     """Role order every template accepts: a non-empty list whose only system message comes first."""
     if not messages:

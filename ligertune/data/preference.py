@@ -82,6 +82,7 @@ from ligertune.data.chat import (
     locate_turn,
     probe_chars,
     render,
+    with_system,
 )
 from ligertune.data.formats import (
     PREFERENCE_FORMATS,
@@ -585,7 +586,7 @@ def tokenize_preferences(
 def load_preferences(path: str, tokenizer: Any, *, max_seq_len: int, fmt: str = "auto", split: str = "train",
                      on_bad_record: str = "error", source: int = 0,
                      check_format: Callable[[str], None] | None = None, kto: bool = False,
-                     seed: int = 0) -> PreparedPreferences:
+                     seed: int = 0, system_prompt: str | None = None) -> PreparedPreferences:
     """Read one source and tokenize it: `read_preferences` then `tokenize_preferences`.
 
     `check_format(fmt)`, when given, sees the source's format (detected from its first record under
@@ -594,12 +595,13 @@ def load_preferences(path: str, tokenizer: Any, *, max_seq_len: int, fmt: str = 
     `kto=True` makes every record a KTO example (a pair gives two: `unpair`) with a mismatched
     completion, another example's, from a permutation of the source drawn from `seed`
     (`mismatch_completions`); a source of fewer than 2 examples raises `DataError` naming it.
+    `system_prompt` opens every prompt that has no system message (`data.system_prompt`).
     A source that gives no unit at all raises `DataError` naming it and what became of its records.
     """
     read = read_preferences(path, fmt=fmt, split=split, on_bad_record=on_bad_record)
     if check_format is not None and read.format is not None:
         check_format(read.format)
-    records = read.records
+    records = [dataclasses.replace(r, prompt=with_system(r.prompt, system_prompt)) for r in read.records]
     check_renders_tools(tokenizer, (Conversation(r.prompt + r.answers[0], r.origin, r.tools)
                                     for r in records))
     if kto:

@@ -52,6 +52,7 @@ from ligertune.data.chat import (
     probe_chars,
     render,
     tokenize_conversation,
+    with_system,
 )
 from ligertune.data.formats import Conversation, read_conversations, source_fingerprint
 from ligertune.data.stats import DataStats, SourceStats, merge_counts
@@ -80,6 +81,7 @@ class TokenizeSettings:
     train_on: str
     max_seq_len: int
     truncation: str
+    system_prompt: str | None = None
 
 
 @dataclass
@@ -275,7 +277,7 @@ def collect(outcomes: Sequence[Outcome], data: SourceData, on_bad_record: str) -
 def load_sources(cfg: DataConfig, tokenizer: Any, sources: Sequence[DataSource], *,
                  show_progress: bool) -> list[SourceData]:
     """Every source tokenized: from the cache, or read, tokenized (one pool for all) and cached."""
-    settings = TokenizeSettings(cfg.train_on, cfg.max_seq_len, cfg.truncation)
+    settings = TokenizeSettings(cfg.train_on, cfg.max_seq_len, cfg.truncation, cfg.system_prompt)
     tokenizer_fp = cache.tokenizer_fingerprint(tokenizer) if cfg.cache_dir is not None else None
     results: list[SourceData] = []
     todo: list[tuple[SourceData, list[Conversation], Path | None]] = []
@@ -295,11 +297,13 @@ def load_sources(cfg: DataConfig, tokenizer: Any, sources: Sequence[DataSource],
             results.append(SourceData(examples, stats, meta["bad"]))
             continue
         read = read_conversations(source.path, fmt=fmt, split=source.split, on_bad_record=cfg.on_bad_record)
-        check_renders_tools(tokenizer, read.conversations)
+        conversations = [dataclasses.replace(c, messages=with_system(c.messages, cfg.system_prompt))
+                         for c in read.conversations]
+        check_renders_tools(tokenizer, conversations)
         stats = SourceStats(source.path, records=read.records, bad_records=len(read.bad))
         data = SourceData([], stats, read.bad)
         results.append(data)
-        todo.append((data, read.conversations, path))
+        todo.append((data, conversations, path))
     if not todo:
         return results
 

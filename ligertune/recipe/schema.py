@@ -155,6 +155,10 @@ class DataConfig:
     eval_fraction: float = _field(
         0.0, "Share of the training conversations held out for evaluation when `eval_path` is unset."
     )
+    system_prompt: str | None = _field(
+        None, "A system message put first in every conversation (and preference prompt) that has none, "
+              "held-out data included: the system prompt the model learns under. `chat` on the run uses it "
+              "unless given `--system`.")
     num_workers: int | None = _field(None, "Processes for tokenization; default: all cores.")
     cache_dir: str | None = _field(
         "~/.cache/ligertune", "Where tokenized data is cached (keyed by data, tokenizer, settings); null disables."

@@ -146,9 +146,9 @@ def build_preference_data(recipe: Recipe, tokenizer) -> TrainingData:
 
     def load(source: DataSource, index: int, key: str) -> PreparedPreferences:
         fmt = cfg.format if source.format == "auto" else source.format
-        return load_preferences(source.path, tokenizer, max_seq_len=cfg.max_seq_len, fmt=fmt, split=source.split,
-                                on_bad_record=cfg.on_bad_record, source=index,
-                                kto=recipe.objective.name == "kto", seed=seed,
+        return load_preferences(source.path, tokenizer, max_seq_len=cfg.max_seq_len, fmt=fmt,
+                                split=source.split, on_bad_record=cfg.on_bad_record, source=index,
+                                system_prompt=cfg.system_prompt, kto=recipe.objective.name == "kto", seed=seed,
                                 check_format=lambda fmt: check_objective_data(recipe.objective, fmt, where=key))
 
     loaded = [load(source, i, key) for i, (source, key) in enumerate(zip(sources, keys))]

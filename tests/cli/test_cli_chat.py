@@ -269,3 +269,19 @@ def test_tools_are_offered_through_the_template_and_refused_where_it_ignores_the
                       "--tools: ", "`tools` must be a list of function definitions")
     assert_user_error(invoke("chat", merged, "-p", "hi", "--tools", tmp_path / "absent.json"),
                       "--tools: ", "absent.json: no such file")
+
+
+def test_a_run_trained_under_a_system_prompt_chats_under_it(lora_run: Path, tmp_path: Path):
+    import yaml
+
+    run = tmp_path / "run"
+    shutil.copytree(lora_run, run)
+    recipe = yaml.safe_load((run / "recipe.yaml").read_text())
+    recipe["data"]["system_prompt"] = "Answer briefly."
+    (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    assert one_shot(lora_run, "-p", QUESTION, "-n", 2)["system"] is None
+    trained_under = one_shot(run, "-p", QUESTION, "-n", 2)
+    assert trained_under["system"] == "Answer briefly."
+    assert trained_under == {**one_shot(run, "-p", QUESTION, "-n", 2, "--system", "Answer briefly."),
+                             "tokens_per_s": trained_under["tokens_per_s"]}
+    assert one_shot(run, "-p", QUESTION, "-n", 2, "--system", "Be long.")["system"] == "Be long."

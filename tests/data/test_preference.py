@@ -250,6 +250,16 @@ def test_kto_refuses_a_file_of_one_example(tmp_path, chatml):
     assert len(load_preferences(str(path), chatml, max_seq_len=256).units) == 1  # read alone, it is one unit
 
 
+def test_the_system_prompt_opens_every_prompt_without_one(tmp_path, chatml):
+    path = write_jsonl(tmp_path / "prefs.jsonl", [pair_record(0), pair_record(1)])
+    records = read_preferences(str(path)).records
+    units = load_preferences(str(path), chatml, max_seq_len=4096, system_prompt="Be kind.").units
+    for record, unit in zip(records, units):
+        system = [] if record.prompt[0]["role"] == "system" else [{"role": "system", "content": "Be kind."}]
+        expected = tokenize_preference(chatml, dataclasses.replace(record, prompt=system + record.prompt))
+        assert unit.input_ids == expected.input_ids and unit.labels == expected.labels
+
+
 def test_unpair_makes_two_kto_records():
     assert unpair([PAIR]) == [UnpairedPreference(PROMPT, PAIR.chosen, True),
                               UnpairedPreference(PROMPT, PAIR.rejected, False)]

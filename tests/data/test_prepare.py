@@ -260,3 +260,17 @@ def test_a_record_s_tools_reach_its_tokens_through_the_pool_and_the_cache(tmp_pa
         data = prepare(cfg, tokenizer)
         assert [(e.input_ids, e.labels) for e in data.train] == [(e.input_ids, e.labels) for e in expected]
         assert [s.cached for s in data.stats.sources] == [cached]
+
+
+def test_the_system_prompt_opens_every_conversation_without_one_and_keys_the_cache(tmp_path, chatml):
+    records = [conversation(0), conversation(1, system=True)]
+    path = write_jsonl(tmp_path / "train.jsonl", records)
+    cfg = config(path, cache_dir=str(tmp_path / "cache"), system_prompt="Be kind.")
+    data = prepare(cfg, chatml)
+    first, second = (read_conversations(str(path)).conversations[i].messages for i in (0, 1))
+    expected = [tokenize_conversation(chatml, [{"role": "system", "content": "Be kind."}, *first]),
+                tokenize_conversation(chatml, second)]  # a system message of its own is kept
+    assert [(e.input_ids, e.labels) for e in data.train] == [(e.input_ids, e.labels) for e in expected]
+    plain = prepare(config(path, cache_dir=str(tmp_path / "cache")), chatml)
+    assert not plain.stats.sources[0].cached  # another system prompt, another cache entry
+    assert plain.train[0].input_ids == tokenize_conversation(chatml, first).input_ids

@@ -40,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal, Optional, Sequence
 
+from ligertune.data.formats import Message
 from ligertune.errors import DataError, UserError
 from ligertune.recipe import IGNORE_INDEX
 
@@ -51,7 +52,6 @@ PROBE_CHARS_PER_TOKEN = 8
 BOUNDARY_TOKENS = 128
 
 TrainOn = Literal["assistant", "last_assistant", "all"]
-Message = dict[str, Any]
 Tools = Optional[Sequence[dict]]
 
 

@@ -87,6 +87,7 @@ from ligertune.data.chat import (
 from ligertune.data.formats import (
     PREFERENCE_FORMATS,
     Conversation,
+    Message,
     RecordError,
     _kind,
     _messages,
@@ -98,7 +99,6 @@ from ligertune.data.packing import best_fit_decreasing
 from ligertune.data.stats import compact_count
 from ligertune.errors import DataError
 
-Message = dict[str, Any]
 BAD_RECORD_EXAMPLES = 5
 
 

@@ -73,11 +73,11 @@ import torch
 from ligertune.data.chat import (
     IGNORE_INDEX,
     ConversationError,
+    check_renders_tools,
     check_roles,
     check_tokenizer,
     encode,
     fits,
-    check_renders_tools,
     label_tokens,
     locate_turn,
     probe_chars,

@@ -187,7 +187,7 @@ def answer(session, console: Console, text: str, *, role: str = "user") -> None:
 
 def read_tools(path: Path, tokenizer) -> list[dict]:
     """The function definitions of a `--tools` file, once the model's chat template is known to write them."""
-    from ligertune.data.chat import ConversationError, render
+    from ligertune.data.chat import ONE_EXCHANGE, renders_alike
     from ligertune.data.formats import RecordError, record_tools
 
     try:
@@ -198,13 +198,8 @@ def read_tools(path: Path, tokenizer) -> list[dict]:
         raise UserError(f"--tools: {path}: {first_line(err)}") from None
     if not tools:
         raise UserError(f"--tools: {path}: no function definitions in it")
-    probe = [{"role": "user", "content": "Hi"}]
-    try:
-        ignored = render(tokenizer, probe, add_generation_prompt=True, tools=tools) == render(
-            tokenizer, probe, add_generation_prompt=True)
-    except ConversationError as err:
-        raise UserError(f"--tools: {path}: {err}") from None
-    if ignored:
+    question = ONE_EXCHANGE[:1]
+    if renders_alike(tokenizer, question, tools, question, None, add_generation_prompt=True):
         raise UserError("--tools: the model's chat template does not write tools into the prompt")
     return tools
 

@@ -52,6 +52,8 @@ PROBE_CHARS_PER_TOKEN = 8
 BOUNDARY_TOKENS = 128
 
 TrainOn = Literal["assistant", "last_assistant", "all"]
+# One exchange, which every template takes (some refuse a system turn): what a template is tried on.
+ONE_EXCHANGE = ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"})
 Tools = Optional[Sequence[dict]]
 
 
@@ -107,18 +109,22 @@ def check_renders_tools(tokenizer: Any, conversations: Iterable[Any]) -> None:
         called = called or (conversation if any("tool_calls" in m for m in conversation.messages) else None)
         if offered and called:
             break
-    if offered is not None and _same_text(tokenizer, offered.messages, offered.tools, offered.messages, None):
+    if offered is not None and renders_alike(tokenizer, offered.messages, offered.tools,
+                                             offered.messages, None):
         raise _ignored(offered.origin, "`tools`")
     if called is not None:
         without = [{k: v for k, v in m.items() if k != "tool_calls"} for m in called.messages]
-        if _same_text(tokenizer, called.messages, called.tools, without, called.tools):
+        if renders_alike(tokenizer, called.messages, called.tools, without, called.tools):
             raise _ignored(called.origin, "`tool_calls`")
 
 
-def _same_text(tokenizer: Any, messages: Sequence[Message], tools: Tools, other: Sequence[Message],
-               other_tools: Tools) -> bool:
+def renders_alike(tokenizer: Any, messages: Sequence[Message], tools: Tools, other: Sequence[Message],
+                  other_tools: Tools, *, add_generation_prompt: bool = False) -> bool:
+    """The template writes the same text for both conversations (it leaves out what tells them
+    apart); False when it refuses either."""
     try:
-        return render(tokenizer, messages, tools=tools) == render(tokenizer, other, tools=other_tools)
+        return (render(tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt)
+                == render(tokenizer, other, tools=other_tools, add_generation_prompt=add_generation_prompt))
     except ConversationError:
         return False  # a bad record: reported as such when it is tokenized
 
@@ -328,8 +334,7 @@ def turn_end_ids(tokenizer: Any) -> list[int]:
     """
     special = special_ids(tokenizer)
     try:
-        example = tokenize_conversation(tokenizer, [{"role": "user", "content": "Hi"},
-                                                    {"role": "assistant", "content": "Hello!"}])
+        example = tokenize_conversation(tokenizer, ONE_EXCHANGE)
     except ConversationError:
         return []
     trained = [t for t in example.labels if t != IGNORE_INDEX]

@@ -124,8 +124,9 @@ def iter_records(path: str, *, split: str = "train") -> Iterator[tuple[str, Any]
     if not is_local(path):
         yield from _iter_hub(path, split)
         return
+    pattern = is_pattern(path)
     for file in local_files(path):
-        name = str(file) if is_pattern(path) else path
+        name = str(file) if pattern else path
         try:
             if file.suffix.lower() == ".parquet":
                 yield from _iter_parquet(file, name)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ligertune.data.chat import ConversationError, special_ids, tokenize_conversation
+from ligertune.data.chat import ONE_EXCHANGE, ConversationError, special_ids, tokenize_conversation
 from ligertune.errors import UserError, first_line
 
 KEY = "model.chat_template"
@@ -49,10 +49,6 @@ BUILT_IN = {
     "chatml": (CHATML, ("<|im_start|>", "<|im_end|>")),
     "llama3": (LLAMA3, ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")),
 }
-
-# A conversation every template takes (some refuse a system turn).
-PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
-
 
 def is_template_file(value: str) -> bool:
     """`value` names a Jinja file (a path the recipe loader resolves next to the recipe)."""
@@ -93,6 +89,6 @@ def set_chat_template(tokenizer: Any, value: str, subject: str) -> None:
                         "eos_token (a .jinja file)")
     tokenizer.chat_template = text
     try:
-        tokenize_conversation(tokenizer, PROBE)
+        tokenize_conversation(tokenizer, ONE_EXCHANGE)
     except ConversationError as err:
         raise UserError(f"{KEY}: {err}") from None

@@ -50,11 +50,6 @@ BUILT_IN = {
     "llama3": (LLAMA3, ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")),
 }
 
-def is_template_file(value: str) -> bool:
-    """`value` names a Jinja file (a path the recipe loader resolves next to the recipe)."""
-    return value.endswith(".jinja") and not is_template_text(value)
-
-
 def is_template_text(value: str) -> bool:
     return "{{" in value or "{%" in value
 
@@ -65,7 +60,7 @@ def template_text(value: str) -> tuple[str, tuple[str, ...]]:
         return BUILT_IN[value]
     if is_template_text(value):
         return value, ()
-    if is_template_file(value):
+    if value.endswith(".jinja"):  # a file, which the recipe loader resolved next to the recipe
         try:
             return Path(value).expanduser().read_text(encoding="utf-8"), ()
         except FileNotFoundError:

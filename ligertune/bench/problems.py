@@ -28,7 +28,7 @@ every row of a shape:
     divergence:      8 N H V flops (the teacher's and the student's logits, the two backward
                      products), ignored rows included, the teacher's hidden size being H
     rms_norm:        bytes of x, w, y (forward) + dy, x, w, dx, dw (backward)
-    swiglu:          bytes of gate, up, y (forward) + dy, gate, up, dgate, dup (backward)
+    swiglu, geglu:   bytes of gate, up, y (forward) + dy, gate, up, dgate, dup (backward)
     rope:            bytes of q, k, cos, sin, q', k' (forward) + the same count backward
     lion:            bytes of one optimizer step, p, g, m read and p, m written, each row in its
                      own dtypes (`lion_bytes`); no backward
@@ -40,6 +40,7 @@ against the formula in float64; its rows are described there.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -171,7 +172,7 @@ def flce_problem(dims: dict[str, int], device: torch.device, dtype: torch.dtype,
     def eager(x):
         return (_eager_flce(x["hidden"], x["weight"], x["targets"]),)
 
-    floor = GemmFloor(n, h, v, device, dtype, gen)
+    floor = GemmFloor(n_supervised, h, v, device, dtype, gen)
     impls = [
         Impl(f"{LIGERTUNE} ({path})", ours),
         Impl(f"{LIGERTUNE} +options", ours_options, semantics="options"),
@@ -199,7 +200,10 @@ class GemmFloor:
     """The three products of any linear + cross-entropy, into preallocated outputs, without autograd:
     logits = h @ W.T, grad_h = dlogits @ W, grad_W = dlogits.T @ h; with `teacher`, a fourth for a
     distillation loss, the teacher's logits = ht @ Wt.T. Buffers are allocated by the first
-    (warm-up) call, so that they count neither in the time nor in the extra memory."""
+    (warm-up) call, so that they count neither in the time nor in the extra memory.
+
+    `n` is the number of supervised rows: an ignored row needs no logits, so the products the loss
+    must do run over those rows alone (here the first `n` rows of h and ht, without a gather)."""
 
     def __init__(self, n: int, h: int, v: int, device: torch.device, dtype: torch.dtype,
                  gen: torch.Generator, *, teacher: bool = False):
@@ -220,9 +224,11 @@ class GemmFloor:
                 self.shapes["dlogits"], gen=self.gen, device=self.device, dtype=self.dtype, scale=1e-3
             )
         b = self.buffers
-        hidden, weight = x["hidden"].detach(), x["weight"].detach()
+        n = self.shapes["logits"][0]
+        hidden, weight = x["hidden"].detach()[:n], x["weight"].detach()
         if "teacher_logits" in b:
-            torch.mm(x["teacher_hidden"].detach(), x["teacher_weight"].detach().t(), out=b["teacher_logits"])
+            teacher_hidden, teacher_weight = x["teacher_hidden"].detach()[:n], x["teacher_weight"].detach()
+            torch.mm(teacher_hidden, teacher_weight.t(), out=b["teacher_logits"])
         torch.mm(hidden, weight.t(), out=b["logits"])
         torch.mm(b["dlogits"], weight, out=b["grad_h"])
         torch.mm(b["dlogits"].t(), hidden, out=b["grad_w"])
@@ -262,6 +268,7 @@ def divergence_problem(dims: dict[str, int], device: torch.device, dtype: torch.
     targets = torch.randint(0, v, (n,), generator=gen, device=device)
     ignored = torch.rand(n, generator=gen, device=device) < IGNORED_FRACTION
     targets = targets.masked_fill(ignored, -100)
+    n_supervised = max(1, int((~ignored).sum().item()))
     inputs = {"hidden": hidden, "weight": weight, "teacher_hidden": teacher_hidden,
               "teacher_weight": teacher_weight, "targets": targets}
 
@@ -296,7 +303,7 @@ def divergence_problem(dims: dict[str, int], device: torch.device, dtype: torch.
         Impl("torch eager", eager),
         Impl("torch.compile", eager, compiled=True),
         Impl("liger", liger, peer="liger"),
-        Impl(DIVERGENCE_FLOOR, GemmFloor(n, h, v, device, dtype, gen, teacher=True), manual=True),
+        Impl(DIVERGENCE_FLOOR, GemmFloor(n_supervised, h, v, device, dtype, gen, teacher=True), manual=True),
     ]
     return Problem(
         "kl" if kl else "divergence", dims, inputs, None, ("loss", "grad_hidden", "grad_weight"),
@@ -368,7 +375,9 @@ def _eager_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return weight * normed.to(x.dtype)
 
 
-def swiglu_problem(dims: dict[str, int], device: torch.device, dtype: torch.dtype, seed: int) -> Problem:
+def _glu_problem(glu: str, dims: dict[str, int], device: torch.device, dtype: torch.dtype, seed: int
+                 ) -> Problem:
+    """SwiGLU's or GeGLU's unit act(gate) * up over [T, I] (`glu`: "swiglu" | "geglu")."""
     t, i = dims["T"], dims["I"]
     gen = _generator(device, seed)
     gate = _randn((t, i), gen=gen, device=device, dtype=dtype, grad=True)
@@ -378,21 +387,32 @@ def swiglu_problem(dims: dict[str, int], device: torch.device, dtype: torch.dtyp
     from ligertune import kernels
     from ligertune.kernels import reference
 
-    def liger(z):
-        from liger_kernel.transformers.functional import liger_swiglu
+    activation = F.silu if glu == "swiglu" else functools.partial(F.gelu, approximate="tanh")
 
-        return (liger_swiglu(z["gate"], z["up"]),)
+    def eager(z):
+        return (activation(z["gate"]) * z["up"],)
+
+    def liger(z):
+        from liger_kernel.transformers import functional
+
+        return (getattr(functional, f"liger_{glu}")(z["gate"], z["up"]),)
 
     impls = [
-        Impl(f"{LIGERTUNE} ({kernels.active_path(device)})", lambda z: (kernels.swiglu(z["gate"], z["up"]),)),
-        Impl("torch eager", lambda z: (F.silu(z["gate"]) * z["up"],)),
-        Impl("torch.compile", lambda z: (F.silu(z["gate"]) * z["up"],), compiled=True),
+        Impl(f"{LIGERTUNE} ({kernels.active_path(device)})",
+             lambda z: (getattr(kernels, glu)(z["gate"], z["up"]),)),
+        Impl("torch eager", eager),
+        Impl("torch.compile", eager, compiled=True),
         Impl("liger", liger, peer="liger"),
     ]
     return Problem(
-        "swiglu", dims, {"gate": gate, "up": up}, (dy,), ("y", "grad_gate", "grad_up"),
-        lambda z, _: (reference.swiglu(z["gate"], z["up"]),), impls, bytes=8 * t * i * gate.element_size(),
+        glu, dims, {"gate": gate, "up": up}, (dy,), ("y", "grad_gate", "grad_up"),
+        lambda z, _: (getattr(reference, glu)(z["gate"], z["up"]),), impls,
+        bytes=8 * t * i * gate.element_size(),
     )
+
+
+swiglu_problem = functools.partial(_glu_problem, "swiglu")
+geglu_problem = functools.partial(_glu_problem, "geglu")
 
 
 def rope_problem(dims: dict[str, int], device: torch.device, dtype: torch.dtype, seed: int) -> Problem:
@@ -652,6 +672,6 @@ def _lion_errors(row: LionRow, device: torch.device, dtype: torch.dtype, seed: i
 
 PROBLEMS = {
     "flce": flce_problem, "divergence": divergence_problem, "kl": kl_problem, "rms_norm": rms_norm_problem,
-    "rope": rope_problem, "swiglu": swiglu_problem,
+    "rope": rope_problem, "swiglu": swiglu_problem, "geglu": geglu_problem,
     "lion": lion_problem,
 }

@@ -20,6 +20,7 @@ KERNEL_TITLES = {
     "rms_norm": "RMSNorm, forward + backward",
     "rope": "rotary embedding (q and k), forward + backward",
     "swiglu": "SwiGLU, forward + backward",
+    "geglu": "GeGLU (tanh GELU), forward + backward",
     "lion": "Lion optimizer step, in place",
 }
 

@@ -7,9 +7,9 @@ import re
 
 from ligertune.errors import UserError
 
-KERNELS = ("flce", "divergence", "kl", "rms_norm", "rope", "swiglu", "lion")
+KERNELS = ("flce", "divergence", "kl", "rms_norm", "rope", "swiglu", "geglu", "lion")
 
-DEFAULT_KERNELS = ("flce", "divergence", "kl", "rms_norm", "rope", "swiglu")
+DEFAULT_KERNELS = ("flce", "divergence", "kl", "rms_norm", "rope", "swiglu", "geglu")
 """What `bench kernels` runs unless told: the Lion step is asked for by name (`-k lion`), since its
 8B problem alone takes 60 GiB."""
 
@@ -24,6 +24,7 @@ SHAPE_DIMS = {
     "rms_norm": ("T", "H"),
     "rope": ("B", "L", "Hq", "Hk", "D"),
     "swiglu": ("T", "I"),
+    "geglu": ("T", "I"),
     # The parameters of a Llama-style decoder (`problems.lion_shapes`): layers, hidden, MLP width,
     # vocabulary, embedding matrices (1: the output layer tied to the input one; 2: untied).
     "lion": ("L", "H", "I", "V", "E"),
@@ -40,6 +41,8 @@ GPU_SHAPES = {
     "rms_norm": [(16384, 4096)],
     "rope": [(4, 4096, 32, 8, 128)],
     "swiglu": [(16384, 14336)],
+    # 4 x 4096 tokens of a Gemma-2-9B layer.
+    "geglu": [(16384, 14336)],
     # Llama-3.2-1B (1.24e9 parameters in 146 tensors) and Llama-3.1-8B (8.03e9 in 291): bf16
     # parameters and gradients with a float32 momentum take 9.2 and 59.8 GiB (an H100 has 79).
     "lion": [(16, 2048, 8192, 128256, 1), (32, 4096, 14336, 128256, 2)],
@@ -52,6 +55,7 @@ CPU_SHAPES = {
     "rms_norm": [(1031, 768)],
     "rope": [(2, 255, 8, 2, 64)],
     "swiglu": [(1031, 1376)],
+    "geglu": [(1031, 1376)],
     "lion": [(3, 96, 264, 1031, 2)],
 }
 

@@ -37,15 +37,16 @@ def _bench(ctx: typer.Context) -> None:
 def kernels(
     kernels_: Annotated[
         str, typer.Option("--kernels", "-k", help="Comma-separated: flce, divergence and kl (distillation's "
-                          "fused loss: JSD, forward KL), rms_norm, rope, swiglu, and lion (the optimizer "
-                          "step; only when named).")
-    ] = "flce,divergence,kl,rms_norm,rope,swiglu",
+                          "fused loss: JSD, forward KL), rms_norm, rope, swiglu, geglu, and lion (the "
+                          "optimizer step; only when named).")
+    ] = "flce,divergence,kl,rms_norm,rope,swiglu,geglu",
     shapes: Annotated[
         Optional[list[str]],
         typer.Option(
             "--shapes",
             help="KERNEL:AxBx... replacing that kernel's default shapes (repeatable): flce:NxHxV, "
-            "divergence:NxHxV and kl:NxHxV (student and teacher alike), rms_norm:TxH, swiglu:TxI, rope:BxLxHqxHkxD, "
+            "divergence:NxHxV and kl:NxHxV (student and teacher alike), rms_norm:TxH, swiglu:TxI, geglu:TxI, "
+            "rope:BxLxHqxHkxD, "
             "lion:LxHxIxVxE (a Llama-style model's parameters: layers, hidden, MLP, vocabulary, 1 tied "
             "or 2 untied embeddings).",
             metavar="KERNEL:SHAPE",

@@ -27,6 +27,7 @@ __all__ = [
     "dequantize_4bit",
     "fused_linear_cross_entropy",
     "fused_linear_divergence",
+    "geglu",
     "lion_step",
     "quantize_rows",
     "quantize_transposed",
@@ -135,6 +136,11 @@ def swiglu(gate, up, *, reuse_inputs: bool = False):
     refuses any later use of them in a backward.
     """
     return _impl("swiglu", gate.device)(gate, up, reuse_inputs=reuse_inputs)
+
+
+def geglu(gate, up, *, reuse_inputs: bool = False):
+    """`gelu(gate, approximate="tanh") * up`, Gemma's gated MLP unit; `reuse_inputs` as for `swiglu`."""
+    return _impl("geglu", gate.device)(gate, up, reuse_inputs=reuse_inputs)
 
 
 def lion_step(params, grads, moments, *, lr: float, beta1: float = 0.9, beta2: float = 0.99,

@@ -337,12 +337,12 @@ def apply_rope(
 
 
 # ---------------------------------------------------------------------------------------------
-# SwiGLU
+# SwiGLU and GeGLU
 # ---------------------------------------------------------------------------------------------
 
 
-def check_swiglu_args(gate: torch.Tensor, up: torch.Tensor) -> None:
-    """Raise `ValueError` for arguments that neither path of `swiglu` accepts."""
+def check_glu_args(gate: torch.Tensor, up: torch.Tensor) -> None:
+    """Raise `ValueError` for arguments that neither path of `swiglu` and `geglu` accepts."""
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(
             "gate and up must share shape and dtype; "
@@ -359,8 +359,21 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, reuse_inputs: bool = False) 
     as in `act_fn(gate_proj(x)) * up_proj(x)` of the `transformers` MLPs. `reuse_inputs` is a
     memory option of the Triton path only; here autograd allocates the gradients as usual.
     """
-    check_swiglu_args(gate, up)
+    check_glu_args(gate, up)
     return torch.nn.functional.silu(gate) * up
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor, *, reuse_inputs: bool = False) -> torch.Tensor:
+    """The gated unit of GeGLU with the tanh approximation of GELU (Shazeer 2020, eq. 5; Gemma's
+    MLPs, whose `gelu_pytorch_tanh` is torch's `gelu(approximate="tanh")`).
+
+        y = gelu_tanh(gate) * up,   gelu_tanh(g) = g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) / 2
+
+    elementwise, in the inputs' dtype, the activation rounded to it before the product as in
+    `act_fn(gate_proj(x)) * up_proj(x)`; `reuse_inputs` as for `swiglu`.
+    """
+    check_glu_args(gate, up)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
 
 # ---------------------------------------------------------------------------------------------

@@ -276,7 +276,7 @@ class _TrainedFloat8Products(torch.autograd.Function):
     of x as float8 GEMMs over the weights cast as one, at each use (they change every step); each
     weight's gradient dY_i^T x a GEMM in its dtype from x as it came, or with `weight_grad_in_float8`
     a float8 GEMM too, dY and x cast once for all. Without `product_needed` (a recompute whose output
-    nothing reads: `patching._swiglu`) Y is left uninitialized."""
+    nothing reads: `patching._glu_mlp`) Y is left uninitialized."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Float8TrainedGroup, product_needed: bool,
@@ -379,7 +379,7 @@ class Float8TrainedLinear(nn.Linear):
     do not see it."""
 
     skips_unneeded_products = True
-    """Takes `unneeded_in_recompute` (`patching._swiglu`)."""
+    """Takes `unneeded_in_recompute` (`patching._glu_mlp`)."""
 
     def __init__(self, linear: nn.Linear, *, weight_grad_in_float8: bool = False):
         nn.Module.__init__(self)

@@ -1,15 +1,17 @@
-"""Route a `transformers` model's RMSNorm, RoPE and SwiGLU through ligertune's kernels, and back.
+"""Route a `transformers` model's RMSNorm, RoPE and gated MLP (SwiGLU, GeGLU) through ligertune's
+kernels, and back.
 
 One table, `PATCH_TABLE`, says for each model family which classes and functions of its modeling
 file correspond to which kernel; `patch_model` applies any row of it and `unpatch_model` reverts it.
 
 - RMSNorm: every norm module of the model gets an instance-level `forward` that calls
   `ligertune.kernels.rms_norm(x, weight, eps, offset)` (offset 1 for Gemma's `(1 + w)` scaling).
-- SwiGLU: every gated MLP gets an instance-level `forward`,
-  `down_proj(swiglu(gate_proj(x), up_proj(x)))`, only when its activation is SiLU (Gemma's GeGLU
-  MLPs are left alone). With `mlp_chunk_tokens` the MLP runs over chunks of that many tokens, each
+- SwiGLU, GeGLU: every gated MLP gets an instance-level `forward`,
+  `down_proj(swiglu(gate_proj(x), up_proj(x)))` when its activation is SiLU, `geglu` in place of
+  `swiglu` when it is the tanh GELU (Gemma's `gelu_pytorch_tanh`); any other activation is left
+  alone. With `mlp_chunk_tokens` the MLP runs over chunks of that many tokens, each
   chunk recomputed in backward (non-reentrant checkpointing): what autograd keeps of the MLP is
-  its input, not the three [tokens, intermediate_size] products (gate, up, their SwiGLU), and what
+  its input, not the three [tokens, intermediate_size] products (gate, up, their product), and what
   runs at once is one chunk's. At long context those products are a decoder layer's largest
   tensors (at 131,072 tokens of Llama-3.1-8B, 3.5 GiB each); the price is one more forward of the
   MLP in backward. In the families whose decoder layers only add the MLP's output to the residual
@@ -59,7 +61,8 @@ class PatchSpec:
     norm_offset: float = 0.0
     """Added to the norm weight: 0 for `w * x_hat`, 1 for Gemma's `(1 + w) * x_hat`."""
     mlp: str | None = None
-    """Gated MLP class name (with gate_proj, up_proj, down_proj), patched when its activation is SiLU."""
+    """Gated MLP class name (with gate_proj, up_proj, down_proj), patched when its activation is one
+    of `GLU_KERNELS`."""
     activation: str = "hidden_act"
     """Config attribute naming that MLP's activation."""
     rope: str | None = "apply_rotary_pos_emb"
@@ -92,7 +95,10 @@ PATCH_TABLE: Mapping[str, PatchSpec] = MappingProxyType({
 })
 """`config.model_type` -> `PatchSpec`, the one table of supported families."""
 
-_SILU = ("silu", "swish")
+GLU_KERNELS: Mapping[str, str] = MappingProxyType(
+    {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu"}
+)
+"""A gated MLP's activation (its `transformers` name) -> the `ligertune.kernels` function of its unit."""
 
 
 @dataclass
@@ -105,8 +111,10 @@ class PatchReport:
     """Norm modules now running `kernels.rms_norm`."""
     rope: str | None = None
     """The redirected function, e.g. "llama apply_rotary_pos_emb"."""
-    swiglu: int = 0
-    """MLP modules now running `kernels.swiglu`."""
+    mlps: int = 0
+    """Gated MLP modules now running `kernels.swiglu` or `kernels.geglu`."""
+    glu: str | None = None
+    """Which of the two: "swiglu" or "geglu"."""
     notes: list[str] = field(default_factory=list)
     """Kernels that were asked for but not applied, with the reason."""
 
@@ -119,8 +127,8 @@ class PatchReport:
             parts.append(f"rms_norm: {self.rms_norm} modules")
         if self.rope:
             parts.append(f"rope: {self.rope}")
-        if self.swiglu:
-            parts.append(f"swiglu: {self.swiglu} MLPs")
+        if self.mlps:
+            parts.append(f"{self.glu}: {self.mlps} MLPs")
         text = ", ".join(parts) or "none"
         return f"{text} ({'; '.join(self.notes)})" if self.notes else text
 
@@ -133,8 +141,9 @@ def patch_model(
     model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = True,
     mlp_chunk_tokens: int | None = None,
 ) -> PatchReport:
-    """Route the model's RMSNorm, RoPE and SwiGLU through ligertune's kernels; see the module docstring
-    (`mlp_chunk_tokens`: the SwiGLU MLPs over chunks of that many tokens, each recomputed in backward).
+    """Route the model's RMSNorm, RoPE and gated MLPs through ligertune's kernels; see the module
+    docstring (`swiglu`: the gated MLPs, SwiGLU or GeGLU; `mlp_chunk_tokens`: those MLPs over chunks
+    of that many tokens, each recomputed in backward).
 
     `model` may be a peft wrapper: its base model is patched (adapters stay in place). A model type
     missing from `PATCH_TABLE` gets a warning and runs unpatched. Patching twice is harmless.
@@ -161,17 +170,20 @@ def patch_model(
 
     if swiglu and spec.mlp is not None:
         activation = getattr(base.config, spec.activation, None)
-        if activation in _SILU:
+        glu = GLU_KERNELS.get(activation)
+        if glu is not None:
             mlp_class = getattr(modeling, spec.mlp)
             for module in base.modules():
                 if isinstance(module, mlp_class):
-                    _set_forward(module, _swiglu_forward, chunk_tokens=mlp_chunk_tokens,
+                    _set_forward(module, _glu_forward, glu=glu, chunk_tokens=mlp_chunk_tokens,
                                  last_unneeded_in_recompute=spec.mlp_output_summed_only)
-                    report.swiglu += 1
-            if mlp_chunk_tokens is not None and report.swiglu:
+                    report.mlps += 1
+            report.glu = glu
+            if mlp_chunk_tokens is not None and report.mlps:
                 report.notes.append(f"MLPs in chunks of {mlp_chunk_tokens} tokens")
         else:
-            report.notes.append(f"swiglu: not applied, the MLP activation is {activation}, not SiLU")
+            report.notes.append(f"gated MLP: not applied, its activation is {activation}, "
+                                f"not one of {', '.join(GLU_KERNELS)}")
 
     if rope and spec.rope is not None:
         redirect = getattr(modeling, spec.rope)
@@ -223,17 +235,17 @@ def _rms_norm_forward(module: nn.Module, x: torch.Tensor, *, eps_attr: str, offs
     return kernels.rms_norm(x, module.weight, getattr(module, eps_attr), offset)
 
 
-def _swiglu_forward(module: nn.Module, x: torch.Tensor, *, chunk_tokens: int | None = None,
-                    last_unneeded_in_recompute: bool = False) -> torch.Tensor:
-    swiglu = functools.partial(_swiglu, last_unneeded_in_recompute=last_unneeded_in_recompute)
+def _glu_forward(module: nn.Module, x: torch.Tensor, *, glu: str, chunk_tokens: int | None = None,
+                 last_unneeded_in_recompute: bool = False) -> torch.Tensor:
+    mlp = functools.partial(_glu_mlp, glu=glu, last_unneeded_in_recompute=last_unneeded_in_recompute)
     tokens = x.shape[:-1].numel()
     if chunk_tokens is None or tokens <= chunk_tokens:
-        return swiglu(module, x)
+        return mlp(module, x)
     if torch.is_grad_enabled():
         chunks = _KeptForRecompute.apply(x.reshape(tokens, x.shape[-1])).split(chunk_tokens)
-        outputs = [checkpoint(swiglu, module, chunk, use_reentrant=False) for chunk in chunks]
+        outputs = [checkpoint(mlp, module, chunk, use_reentrant=False) for chunk in chunks]
     else:
-        outputs = [swiglu(module, chunk) for chunk in x.reshape(tokens, x.shape[-1]).split(chunk_tokens)]
+        outputs = [mlp(module, chunk) for chunk in x.reshape(tokens, x.shape[-1]).split(chunk_tokens)]
     return torch.cat(outputs).reshape(*x.shape[:-1], -1)
 
 
@@ -252,9 +264,10 @@ class _KeptForRecompute(torch.autograd.Function):
         return grad
 
 
-def _swiglu(module: nn.Module, x: torch.Tensor, *, last_unneeded_in_recompute: bool = False) -> torch.Tensor:
+def _glu_mlp(module: nn.Module, x: torch.Tensor, *, glu: str, last_unneeded_in_recompute: bool = False
+             ) -> torch.Tensor:
     # gate and up exist for this product alone: their memory can take their gradients.
-    h = kernels.swiglu(module.gate_proj(x), module.up_proj(x), reuse_inputs=True)
+    h = getattr(kernels, glu)(module.gate_proj(x), module.up_proj(x), reuse_inputs=True)
     down = module.down_proj
     if last_unneeded_in_recompute and torch.is_grad_enabled() and not torch.is_autocast_enabled(h.device.type):
         if type(down) is nn.Linear:
@@ -294,7 +307,7 @@ class _ProductSkippedInRecompute(torch.autograd.Function):
         return dh, dw, db
 
 
-_PATCHED_FORWARDS = (_rms_norm_forward, _swiglu_forward)
+_PATCHED_FORWARDS = (_rms_norm_forward, _glu_forward)
 
 
 class _RopeRedirect:

@@ -189,7 +189,9 @@ class KernelsConfig:
 
     rms_norm: bool = _field(True, "RMSNorm layers.")
     rope: bool = _field(True, "Rotary position embedding applied to q and k.")
-    swiglu: bool = _field(True, "The SwiGLU activation of the MLP.")
+    swiglu: bool = _field(
+        True, "The gated MLP's unit: SwiGLU (SiLU), or GeGLU for Gemma's tanh GELU (`gelu_pytorch_tanh`)."
+    )
     fused_linear_cross_entropy: bool = _field(
         True, "Output projection + cross-entropy fused: the [tokens, vocab] logits are never stored."
     )
@@ -235,7 +237,7 @@ class KernelsConfig:
             if self.mlp_chunk_tokens < 1:
                 problems.append(("mlp_chunk_tokens", f"must be >= 1 or null, got {self.mlp_chunk_tokens}"))
             elif not self.swiglu:
-                problems.append(("mlp_chunk_tokens", "chunks the SwiGLU kernel's MLPs: needs `swiglu: true`"))
+                problems.append(("mlp_chunk_tokens", "chunks the gated MLPs' kernel: needs `swiglu: true`"))
         return problems
 
 

@@ -498,7 +498,7 @@ def check_modules_to_save(model: nn.Module, recipe: Recipe) -> None:
 
 
 def patch_kernels(model: nn.Module, cfg: KernelsConfig) -> PatchReport:
-    """RMSNorm, RoPE and SwiGLU through ligertune's kernels, as `kernels` says."""
+    """RMSNorm, RoPE and the gated MLPs through ligertune's kernels, as `kernels` says."""
     return patch_model(model, rms_norm=cfg.rms_norm, rope=cfg.rope, swiglu=cfg.swiglu,
                        mlp_chunk_tokens=cfg.mlp_chunk_tokens)
 

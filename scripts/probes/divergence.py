@@ -8,7 +8,8 @@ Findings: docs/PERF.md, the fused linear divergence (2026-11-25 and after).
 For each of `bench kernels`' three distillation shapes (bf16, 10% of the rows ignored), timed alike
 (`bench.timing.measure`, CUDA events, median):
 
-    floor          the four GEMMs of `bench kernels`' floor, each over all the rows at once
+    floor          the four GEMMs of `bench kernels`' floor, each over all the supervised rows at
+                   once (before 2026-11-29: over every row, the ignored 10% too)
     fused          the fused loss's forward + backward (`bench kernels`' ligertune row), with chunk
                    budgets of 1 GiB (the default), 2 and 4 GiB: fewer chunks, fewer passes of the
                    weight gradient's accumulation over its [V, H] output

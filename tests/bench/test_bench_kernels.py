@@ -19,8 +19,9 @@ from ligertune.cli.bench import app
 from ligertune.errors import UserError
 
 TINY = ["--shapes", "flce:37x24x301", "--shapes", "divergence:37x24x301", "--shapes", "kl:37x24x301",
-        "--shapes", "rms_norm:19x40", "--shapes", "rope:2x9x4x2x8", "--shapes", "swiglu:19x33"]
-KERNELS = ("flce", "divergence", "kl", "rms_norm", "rope", "swiglu")
+        "--shapes", "rms_norm:19x40", "--shapes", "rope:2x9x4x2x8", "--shapes", "swiglu:19x33",
+        "--shapes", "geglu:19x33"]
+KERNELS = ("flce", "divergence", "kl", "rms_norm", "rope", "swiglu", "geglu")
 ROW_KEYS = {"kernel", "shape", "dims", "impl", "status", "detail", "median_ms", "min_ms", "max_ms", "repeats",
             "extra_peak_mib", "tflops", "gbps", "of_peak_bandwidth", "of_copy_bandwidth", "vs_ligertune", "errors"}
 REPORT_KEYS = {"device", "device_type", "kernel_path", "dtype", "reference_dtype", "repeats", "warmup",
@@ -64,7 +65,8 @@ def test_json_holds_every_number_with_its_context(report):
     assert {row["kernel"] for row in data["rows"]} == set(KERNELS)
     shapes = {(row["kernel"], row["shape"]) for row in data["rows"]}
     assert shapes == {("flce", "N37-H24-V301"), ("divergence", "N37-H24-V301"), ("kl", "N37-H24-V301"),
-                      ("rms_norm", "T19-H40"), ("rope", "B2-L9-Hq4-Hk2-D8"), ("swiglu", "T19-I33")}
+                      ("rms_norm", "T19-H40"), ("rope", "B2-L9-Hq4-Hk2-D8"), ("swiglu", "T19-I33"),
+                      ("geglu", "T19-I33")}
 
 
 def test_measured_rows_carry_time_rate_speedup_and_small_errors(report):
@@ -72,7 +74,7 @@ def test_measured_rows_carry_time_rate_speedup_and_small_errors(report):
     measured = [row for row in data["rows"] if row["status"] == "ok"]
     # ligertune (3 rows for the loss, 2 for each divergence, 1 for each other kernel), eager for
     # each, and the three GEMM floors.
-    assert len(measured) == 3 + 2 + 2 + 3 + 6 + 3
+    assert len(measured) == 3 + 2 + 2 + 4 + 7 + 3
     for row in measured:
         assert row["median_ms"] > 0 and row["repeats"] == 2
         assert (row["tflops"] if row["kernel"] in FLOP_RATED else row["gbps"]) > 0
@@ -181,16 +183,21 @@ def test_a_row_that_writes_into_its_inputs_does_not_spoil_the_next():
 
 def test_divergence_problem_floor_runs_the_teacher_product_too():
     """The divergence problem's floor: the four products of a linear distillation loss, the teacher's
-    logits among them; its eager row computes the reference's quantity (the JSD at beta 0.5, averaged
-    over the supervised rows, which is what Liger's row computes)."""
+    logits among them, over as many rows as are supervised (an ignored row needs no logits); its
+    eager row computes the reference's quantity (the JSD at beta 0.5, averaged over the supervised
+    rows, which is what Liger's row computes)."""
     problem = divergence_problem({"N": 23, "H": 16, "V": 101}, torch.device("cpu"), torch.float64, seed=2)
     assert [impl.name for impl in problem.impls][-2:] == ["liger", DIVERGENCE_FLOOR]
     assert problem.flops == 8.0 * 23 * 16 * 101
     x = problem.inputs
+    n = int((x["targets"] != -100).sum())
+    assert 0 < n < 23
     floor = problem.impls[-1].run
     floor(x)
-    torch.testing.assert_close(floor.buffers["teacher_logits"], x["teacher_hidden"] @ x["teacher_weight"].T)
-    torch.testing.assert_close(floor.buffers["logits"], x["hidden"].detach() @ x["weight"].detach().T)
+    assert floor.buffers["grad_h"].shape == (n, 16) and floor.buffers["dlogits"].shape == (n, 101)
+    teacher_logits = x["teacher_hidden"][:n] @ x["teacher_weight"].T
+    torch.testing.assert_close(floor.buffers["teacher_logits"], teacher_logits)
+    torch.testing.assert_close(floor.buffers["logits"], x["hidden"].detach()[:n] @ x["weight"].detach().T)
     eager = next(impl for impl in problem.impls if impl.name == "torch eager")
     (want,) = problem.reference(x, "plain")
     (got,) = eager.run(x)

@@ -180,3 +180,15 @@ def test_swiglu_T16384_I14336(dtype):
         return lambda gate, up: {"y": impl(gate, up)}
 
     assert_matches_reference(mlp(kernels.swiglu), mlp(reference.swiglu), inputs, upstream)
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(BF16, id="bf16"), pytest.param(FP32, id="fp32")])
+def test_geglu_T16384_I14336(dtype):
+    gen = generator()
+    inputs = {"gate": randn(gen, 16384, 14336, dtype=dtype), "up": randn(gen, 16384, 14336, dtype=dtype)}
+    upstream = {"y": randn(gen, 16384, 14336, dtype=dtype, grad=False)}
+
+    def mlp(impl):
+        return lambda gate, up: {"y": impl(gate, up)}
+
+    assert_matches_reference(mlp(kernels.geglu), mlp(reference.geglu), inputs, upstream)

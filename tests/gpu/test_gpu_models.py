@@ -1,6 +1,7 @@
-"""A small Llama on CUDA at training lengths: ligertune's kernels leave its loss and gradients as they
-were, and conversations packed into rows (varlen attention) give the loss and gradients of the same
-conversations run one by one. The tests/models tests check the same at tiny sizes on the CPU.
+"""A small Llama (and a small Gemma 2) on CUDA at training lengths: ligertune's kernels leave its loss
+and gradients as they were, and conversations packed into rows (varlen attention) give the loss and
+gradients of the same conversations run one by one. The tests/models tests check the same at tiny
+sizes on the CPU.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ SMALL_LLAMA = {
     "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
     "max_position_embeddings": 4096, "tie_word_embeddings": False,
 }
+SMALL_GEMMA2 = {
+    **SMALL_LLAMA, "model_type": "gemma2", "head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 512,
+    "hidden_activation": "gelu_pytorch_tanh",
+}
 MAX_SEQ_LEN = 2048
 
 # (dtype, relative tolerance on the loss, on the gradient of every parameter taken as one vector)
@@ -35,8 +40,8 @@ DTYPES = [
 ]
 
 
-def small_llama(dtype: torch.dtype):
-    model = build_model(ModelConfig(config=dict(SMALL_LLAMA), attention="packed"), device="cuda", dtype=dtype,
+def small_llama(dtype: torch.dtype, config: dict = SMALL_LLAMA):
+    model = build_model(ModelConfig(config=dict(config), attention="packed"), device="cuda", dtype=dtype,
                         seed=0)
     return model.train()
 
@@ -71,10 +76,12 @@ def assert_same(got: tuple[float, torch.Tensor], want: tuple[float, torch.Tensor
     assert relative_error(grads, want_grads) <= grad_tol
 
 
+@pytest.mark.parametrize("config", [SMALL_LLAMA, SMALL_GEMMA2], ids=["llama", "gemma2"])
 @pytest.mark.parametrize("dtype, loss_tol, grad_tol", DTYPES)
-def test_patched_model_equals_unpatched(dtype, loss_tol, grad_tol):
-    """RMSNorm, RoPE, SwiGLU and the fused loss against the model as transformers runs it."""
-    model = small_llama(dtype)
+def test_patched_model_equals_unpatched(dtype, loss_tol, grad_tol, config):
+    """RMSNorm, RoPE, SwiGLU (GeGLU for Gemma 2, with its (1 + w) norms) and the fused loss against
+    the model as transformers runs it."""
+    model = small_llama(dtype, config)
     batch = collate(pack(conversations([300, 1000, 57, 641], seed=0), MAX_SEQ_LEN)).to("cuda")
     supervised = (batch.targets != -100).float()
     weights = supervised / supervised.sum()
@@ -84,7 +91,8 @@ def test_patched_model_equals_unpatched(dtype, loss_tol, grad_tol):
                             cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen)
 
     unpatched = loss_and_grads(model, [loss_of(CausalLMLoss(model, fused=False))])
-    patch_model(model)
+    report = patch_model(model)
+    assert report.mlps == 4 and report.glu == ("swiglu" if config is SMALL_LLAMA else "geglu")
     try:
         patched = loss_and_grads(model, [loss_of(CausalLMLoss(model, fused=True))])
     finally:

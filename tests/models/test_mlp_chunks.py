@@ -1,6 +1,7 @@
-"""`kernels.mlp_chunk_tokens`: the SwiGLU MLPs run over chunks of tokens, each recomputed in backward.
-The model computes what it computes whole (float64: to rounding of the last bits), autograd keeps
-the MLP's input instead of its [tokens, intermediate_size] products, and recipes name what cannot be."""
+"""`kernels.mlp_chunk_tokens`: the gated MLPs (SwiGLU, GeGLU) run over chunks of tokens, each
+recomputed in backward. The model computes what it computes whole (float64: to rounding of the last
+bits), autograd keeps the MLP's input instead of its [tokens, intermediate_size] products, and
+recipes name what cannot be."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import peft
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import SWIGLU_FAMILIES, make_model, make_packed_batch
+from tiny_models import FAMILIES, make_model, make_packed_batch
 
 from ligertune.errors import RecipeError
 from ligertune.models import packed_attention_kwargs, patch_model
@@ -32,7 +33,7 @@ def loss_and_grads(model, batch, *, checkpointing: bool) -> tuple[torch.Tensor, 
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("family", SWIGLU_FAMILIES)
+@pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["layers-kept", "layers-recomputed"])
 def test_chunked_mlps_give_the_whole_mlps_loss_and_gradients(family, checkpointing):
     batch = make_packed_batch(LENGTHS)
@@ -134,7 +135,7 @@ def problems(**sections) -> list[str]:
 @pytest.mark.parametrize("sections, message", [
     ({"kernels": {"mlp_chunk_tokens": 0}}, "kernels.mlp_chunk_tokens: must be >= 1 or null, got 0"),
     ({"kernels": {"mlp_chunk_tokens": 4096, "swiglu": False}},
-     "kernels.mlp_chunk_tokens: chunks the SwiGLU kernel's MLPs: needs `swiglu: true`"),
+     "kernels.mlp_chunk_tokens: chunks the gated MLPs' kernel: needs `swiglu: true`"),
     ({"kernels": {"mlp_chunk_tokens": 4096, "float8_linear": False}, "train": {"precision": "fp8"}},
      "kernels.mlp_chunk_tokens: not with train.precision: fp8"),
 ])

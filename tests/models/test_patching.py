@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from counting import DownProducts
-from tiny_models import FAMILIES, SWIGLU_FAMILIES, make_model
+from tiny_models import FAMILIES, GEGLU_FAMILIES, make_model
 
 from ligertune import kernels
 from ligertune.models import (
@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[2]
 def kernel_calls(monkeypatch) -> Counter:
     """Count the calls into each public kernel (the patched modules look them up at call time)."""
     calls: Counter = Counter()
-    for name in ("rms_norm", "apply_rope", "swiglu", "fused_linear_cross_entropy"):
+    for name in ("rms_norm", "apply_rope", "swiglu", "geglu", "fused_linear_cross_entropy"):
         original = getattr(kernels, name)
 
         def spy(*args, _name=name, _original=original, **kwargs):
@@ -76,7 +76,8 @@ def test_patched_model_equals_unpatched(family, packed_batch, kernel_calls):
         n_norms += 2 * 2 if family in ("qwen3", "gemma3") else 0  # q_norm and k_norm
         n_norms += 2 * 2 if family in ("gemma2", "gemma3") else 0  # pre/post feed-forward norms
         assert report.rms_norm == n_norms
-        assert report.swiglu == (2 if family in SWIGLU_FAMILIES else 0)
+        assert report.mlps == 2
+        assert report.glu == ("geglu" if family in GEGLU_FAMILIES else "swiglu")
         assert report.rope == f"{FAMILIES[family]['model_type']} apply_rotary_pos_emb"
 
         with torch.no_grad():
@@ -98,7 +99,8 @@ def test_patched_model_equals_unpatched(family, packed_batch, kernel_calls):
         # Each kernel ran once per layer use (the comparison above is not between two HF models).
         assert kernel_calls["rms_norm"] == n_norms
         assert kernel_calls["apply_rope"] == 2
-        assert kernel_calls["swiglu"] == report.swiglu
+        assert kernel_calls[report.glu] == report.mlps
+        assert kernel_calls["swiglu"] + kernel_calls["geglu"] == report.mlps
         assert kernel_calls["fused_linear_cross_entropy"] == 1
     finally:
         unpatch_model(model)
@@ -166,19 +168,25 @@ def test_switches_and_the_report():
     model = make_model("llama")
     report = patch_model(model, rms_norm=False, rope=False)
     try:
-        assert (report.rms_norm, report.rope, report.swiglu) == (0, None, 2)
+        assert (report.rms_norm, report.rope, report.mlps) == (0, None, 2)
         assert report.describe() == "swiglu: 2 MLPs"
     finally:
         unpatch_model(model)
     gemma = make_model("gemma")
     report = patch_model(gemma)
     try:
-        assert report.describe() == (
-            "rms_norm: 5 modules, rope: gemma apply_rotary_pos_emb "
-            "(swiglu: not applied, the MLP activation is gelu_pytorch_tanh, not SiLU)"
-        )
+        assert report.describe() == "rms_norm: 5 modules, rope: gemma apply_rotary_pos_emb, geglu: 2 MLPs"
     finally:
         unpatch_model(gemma)
+    exact_gelu = make_model("llama", hidden_act="gelu")  # erf GELU: no kernel computes it
+    report = patch_model(exact_gelu, rope=False)
+    try:
+        assert report.describe() == (
+            "rms_norm: 5 modules "
+            "(gated MLP: not applied, its activation is gelu, not one of silu, swish, gelu_pytorch_tanh)"
+        )
+    finally:
+        unpatch_model(exact_gelu)
 
 
 def test_unsupported_model_type_warns_and_runs_unpatched():
@@ -203,7 +211,7 @@ def test_peft_wrapped_model_is_patched_through_its_base(packed_batch, kernel_cal
                     param.normal_(std=0.1, generator=gen)
         if patched:
             report = patch_model(model)  # patched after wrapping, through the peft model
-            assert report.swiglu == 2 and is_patched(model.get_base_model())
+            assert report.mlps == 2 and is_patched(model.get_base_model())
         kernel_calls.clear()
         out = CausalLMLoss(model)(packed_batch.input_ids, packed_batch.position_ids, packed_batch.targets,
                                   cu_seqlens=packed_batch.cu_seqlens)

@@ -40,7 +40,8 @@ FAMILIES: dict[str, dict] = {
 }
 """Family id -> config fields of its tiny model."""
 
-SWIGLU_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+GEGLU_FAMILIES = ("gemma", "gemma2", "gemma3")
+"""The families whose MLPs are GeGLU (tanh GELU); the others' are SwiGLU."""
 
 
 def make_model(family: str, *, attention: str = "packed", seed: int = 0, dtype=torch.float32, **fields):

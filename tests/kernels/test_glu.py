@@ -1,8 +1,10 @@
-"""SwiGLU gate: the Triton path against the reference (y, dgate, dup), and the reference against the
-MLP of `transformers` (LlamaMLP) bit for bit.
+"""The SwiGLU and GeGLU gates: the Triton path against the reference (y, dgate, dup) and a float64
+formula, and the reference against the MLPs of `transformers` (LlamaMLP, GemmaMLP) bit for bit.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -25,6 +27,10 @@ DTYPES = [
 ]
 
 
+GLUS = [pytest.param("swiglu", id="swiglu"), pytest.param("geglu", id="geglu")]
+"""The public kernels, each the name of a `ligertune.kernels` and a `reference` function."""
+
+
 def make_inputs(shape, dtype, scale=2.0, seed=0):
     gen = torch.Generator().manual_seed(seed)
     return [(torch.randn(shape, generator=gen) * s).to(DEVICE, dtype) for s in (scale, 1.0, 1.0)]
@@ -40,10 +46,11 @@ def run(fn, gate, up, dy):
 
 @pytest.mark.parametrize("dtype, tol", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_triton_matches_reference(triton_path, shape, dtype, tol):
+@pytest.mark.parametrize("glu", GLUS)
+def test_triton_matches_reference(triton_path, glu, shape, dtype, tol):
     gate, up, dy = make_inputs(shape, dtype)
-    got = run(K.swiglu, gate, up, dy)
-    want = run(reference.swiglu, gate, up, dy)
+    got = run(getattr(K, glu), gate, up, dy)
+    want = run(getattr(reference, glu), gate, up, dy)
     for name, a, b in zip(("y", "dgate", "dup"), got, want):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert rel_err(a, b) < tol, name
@@ -51,30 +58,32 @@ def test_triton_matches_reference(triton_path, shape, dtype, tol):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # the interpreter's numpy
 @pytest.mark.parametrize("dtype, tol", DTYPES)
-def test_extreme_gates_and_strided_inputs(triton_path, dtype, tol):
+@pytest.mark.parametrize("glu", GLUS)
+def test_extreme_gates_and_strided_inputs(triton_path, glu, dtype, tol):
     """Gates far into both tails (exp(-g) overflows to inf for g << 0), given as non-contiguous views."""
     gate, up, dy = make_inputs((37, 246), dtype, scale=60.0, seed=1)
     gate, up = gate[:, ::2], up.t().contiguous().t()[:, 1::2]
     dy = dy[:, :123]
-    got = run(K.swiglu, gate, up, dy)
-    want = run(reference.swiglu, gate, up, dy)
+    got = run(getattr(K, glu), gate, up, dy)
+    want = run(getattr(reference, glu), gate, up, dy)
     for name, a, b in zip(("y", "dgate", "dup"), got, want):
         assert torch.isfinite(a).all(), name
         assert rel_err(a, b) < tol, name
 
 
 @pytest.mark.parametrize("dtype, tol", DTYPES)
-def test_reuse_inputs_gives_the_same_gradients_in_their_memory(triton_path, dtype, tol):
+@pytest.mark.parametrize("glu", GLUS)
+def test_reuse_inputs_gives_the_same_gradients_in_their_memory(triton_path, glu, dtype, tol):
     """The gradients are those of the default path, bit for bit, written over gate and up."""
     gate0, up0, dy = make_inputs((37, 123), dtype, seed=4)
-    want = run(K.swiglu, gate0, up0, dy)
+    want = run(getattr(K, glu), gate0, up0, dy)
 
     leaf_gate, leaf_up = gate0.clone().requires_grad_(True), up0.clone().requires_grad_(True)
     gate, up = leaf_gate * 1, leaf_up * 1  # intermediates, as gate_proj(x) and up_proj(x) are
     seen = {}
     gate.register_hook(lambda g: seen.setdefault("dgate", g))
     up.register_hook(lambda g: seen.setdefault("dup", g))
-    y = K.swiglu(gate, up, reuse_inputs=True)
+    y = getattr(K, glu)(gate, up, reuse_inputs=True)
     y.backward(dy, retain_graph=True)
     assert torch.equal(y, want[0])
     assert torch.equal(leaf_gate.grad, want[1]) and torch.equal(leaf_up.grad, want[2])
@@ -84,27 +93,38 @@ def test_reuse_inputs_gives_the_same_gradients_in_their_memory(triton_path, dtyp
 
 
 @pytest.mark.parametrize("dtype, tol", DTYPES)
-def test_gate_and_up_side_by_side_are_read_and_written_where_they_are(triton_path, dtype, tol):
+@pytest.mark.parametrize("glu", GLUS)
+def test_gate_and_up_side_by_side_are_read_and_written_where_they_are(triton_path, glu, dtype, tol):
     """gate and up as the two halves of one [tokens, 2 I] output (a joined float8 GEMM's): the
     contiguous path's values, bit for bit, with the gradients written over the halves and no copy."""
     gate0, up0, dy = make_inputs((3, 37, 123), dtype, seed=5)
-    want = run(K.swiglu, gate0, up0, dy)
+    want = run(getattr(K, glu), gate0, up0, dy)
     leaf = torch.cat([gate0, up0], dim=-1).requires_grad_(True)
     joined = leaf * 1
     gate, up = joined.split(123, dim=-1)
     assert not gate.is_contiguous()
-    y = K.swiglu(gate, up, reuse_inputs=True)
+    y = getattr(K, glu)(gate, up, reuse_inputs=True)
     y.backward(dy)
     assert torch.equal(y, want[0]) and y.is_contiguous()
     assert torch.equal(leaf.grad, torch.cat(want[1:], dim=-1))
     assert torch.equal(joined.detach(), torch.cat(want[1:], dim=-1))  # written over the halves
 
 
-def test_kernel_against_float64_formula(triton_path):
+def _gelu_tanh(g):
+    return 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3)))
+
+
+def _silu(g):
+    return g * torch.sigmoid(g)
+
+
+@pytest.mark.parametrize("glu, activation", [("swiglu", _silu), ("geglu", _gelu_tanh)],
+                         ids=["swiglu", "geglu"])
+def test_kernel_against_float64_formula(triton_path, glu, activation):
     gate, up, dy = make_inputs((37, 123), torch.float32, seed=2)
-    y, dgate, dup = run(K.swiglu, gate, up, dy)
+    y, dgate, dup = run(getattr(K, glu), gate, up, dy)
     g64, u64 = gate.double().requires_grad_(True), up.double().requires_grad_(True)
-    y64 = g64 * torch.sigmoid(g64) * u64
+    y64 = activation(g64) * u64
     y64.backward(dy.double())
     assert rel_err(y, y64) < 1e-6
     assert rel_err(dgate, g64.grad) < 1e-6
@@ -112,14 +132,21 @@ def test_kernel_against_float64_formula(triton_path):
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")])
-def test_reference_is_transformers_mlp(dtype):
-    """`down_proj(swiglu(gate_proj(x), up_proj(x)))` is LlamaMLP's forward and backward, to the bit."""
-    from transformers import LlamaConfig
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_reference_is_transformers_mlp(family, dtype):
+    """`down_proj(glu(gate_proj(x), up_proj(x)))` is the MLP's forward and backward, to the bit:
+    LlamaMLP's with `swiglu`, GemmaMLP's (`gelu_pytorch_tanh`) with `geglu`."""
+    from transformers import GemmaConfig, LlamaConfig
+    from transformers.models.gemma.modeling_gemma import GemmaMLP
     from transformers.models.llama.modeling_llama import LlamaMLP
 
     torch.manual_seed(3)
-    config = LlamaConfig(hidden_size=24, intermediate_size=61, num_attention_heads=2, hidden_act="silu")
-    mlp = LlamaMLP(config).to(DEVICE, dtype)
+    sizes = dict(hidden_size=24, intermediate_size=61, num_attention_heads=2)
+    if family == "llama":
+        mlp, glu = LlamaMLP(LlamaConfig(**sizes, hidden_act="silu")), reference.swiglu
+    else:
+        mlp, glu = GemmaMLP(GemmaConfig(**sizes, hidden_act="gelu_pytorch_tanh")), reference.geglu
+    mlp = mlp.to(DEVICE, dtype)
     x = torch.randn(3, 7, 24).to(DEVICE, dtype)
     dy = torch.randn(3, 7, 24).to(DEVICE, dtype)
 
@@ -131,17 +158,18 @@ def test_reference_is_transformers_mlp(dtype):
         return [out.detach(), x_.grad, *(p.grad.clone() for p in mlp.parameters())]
 
     want = grads_of(mlp)
-    got = grads_of(lambda x_: mlp.down_proj(reference.swiglu(mlp.gate_proj(x_), mlp.up_proj(x_))))
+    got = grads_of(lambda x_: mlp.down_proj(glu(mlp.gate_proj(x_), mlp.up_proj(x_))))
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 
 
-def test_bad_arguments_raise():
+@pytest.mark.parametrize("glu", GLUS)
+def test_bad_arguments_raise(glu):
     gate, up, _ = make_inputs((4, 8), torch.float32)
     with pytest.raises(ValueError, match="share shape and dtype"):
-        reference.swiglu(gate, up[:, :7])
+        getattr(reference, glu)(gate, up[:, :7])
     with pytest.raises(ValueError, match="share shape and dtype"):
-        reference.swiglu(gate, up.double())
+        getattr(reference, glu)(gate, up.double())
 
 
 def test_gate_and_up_gradients_reach_the_joined_gemm_where_swiglu_wrote_them(monkeypatch):

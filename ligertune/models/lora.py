@@ -80,7 +80,6 @@ base product (`_SharedInput.base_unneeded_in_recompute`).
 from __future__ import annotations
 
 import functools
-import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -88,6 +87,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ligertune.models.columns import split_columns
 from ligertune.models.patching import PATCH_TABLE, recomputing
 from ligertune.models.unwrap import unwrap_model
 
@@ -281,7 +281,7 @@ def _joined_outputs(members: list[tuple[nn.Module, str]], siblings, x: torch.Ten
         Y, U = base(x), x cat(A_i)^T                one GEMM each (`_JoinedProducts`)
         Y += s U cat_diag(B_i)^T                    in place, one GEMM
 
-    then Y split by columns (`_SplitColumns`). B's block-diagonal matrix multiplies zeros outside
+    then Y split by columns (`split_columns`). B's block-diagonal matrix multiplies zeros outside
     each layer's block: r_total instead of r_i products a column, a few microseconds on GEMMs this
     thin, for one GEMM (and one backward node) where there were several. The parts that
     `siblings.copied` names (v, which attention keeps for its backward) are copied out, so as not to
@@ -298,8 +298,8 @@ def _joined_outputs(members: list[tuple[nn.Module, str]], siblings, x: torch.Ten
 
 def split_joined(y: torch.Tensor, sizes: list[int], copied: tuple[bool, ...]) -> list[torch.Tensor]:
     """The joined output of layers that read one input, split into each layer's columns (views,
-    `_SplitColumns`), the parts that `copied` names copied out (`COPIED`)."""
-    parts = _SplitColumns.apply(y, sizes)
+    `split_columns`), the parts that `copied` names copied out (`COPIED`)."""
+    parts = split_columns(y, sizes)
     return [part.contiguous() if copy else part for part, copy in zip(parts, copied)]
 
 
@@ -437,41 +437,6 @@ class _DequantizedProducts(torch.autograd.Function):
                 weights = ctx.siblings.weights(dys[0].dtype)
             dx = _summed_input_grad(dys, weights, du, cat_rows(adapters))
         return dx, None, None, *_adapter_grads(du, lambda: x, adapters, ctx.needs_input_grad[3:])
-
-
-class _SplitColumns(torch.autograd.Function):
-    """y split into column slices (views), as `torch.split`, whose backward takes gradients that are
-    themselves adjacent column slices of one buffer (SwiGLU's, written over gate and up) as that
-    buffer, where `torch.split`'s would copy them into a new one."""
-
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, sizes: list[int]):
-        ctx.sizes = sizes
-        return tuple(y.split(sizes, dim=-1))
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor | None):
-        joined = _adjacent(grads, ctx.sizes)
-        if joined is None:
-            like = next(g for g in grads if g is not None)
-            parts = [g if g is not None else like.new_zeros(*like.shape[:-1], n) for g, n in zip(grads, ctx.sizes)]
-            joined = torch.cat(parts, dim=-1)
-        return joined, None
-
-
-def _adjacent(grads, sizes: list[int]) -> torch.Tensor | None:
-    """The one buffer whose consecutive column slices `grads` are, or None."""
-    if any(g is None for g in grads):
-        return None
-    first, width = grads[0], sum(sizes)
-    if first.dim() < 2 or first.stride(-1) != 1 or first.stride(-2) != width:
-        return None
-    offset = first.storage_offset()
-    for g, start in zip(grads, itertools.accumulate([0, *sizes[:-1]])):
-        if (g.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or g.stride() != first.stride()
-                or g.shape[:-1] != first.shape[:-1] or g.storage_offset() != offset + start):
-            return None
-    return first.as_strided((*first.shape[:-1], width), first.stride(), offset)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -9,10 +9,12 @@ file correspond to which kernel; `patch_model` applies any row of it and `unpatc
 - SwiGLU, GeGLU: every gated MLP gets an instance-level `forward`,
   `down_proj(swiglu(gate_proj(x), up_proj(x)))` when its activation is SiLU, `geglu` in place of
   `swiglu` when it is the tanh GELU (Gemma's `gelu_pytorch_tanh`); any other activation is left
-  alone. With `mlp_chunk_tokens` the MLP runs over chunks of that many tokens, each
-  chunk recomputed in backward (non-reentrant checkpointing): what autograd keeps of the MLP is
-  its input, not the three [tokens, intermediate_size] products (gate, up, their product), and what
-  runs at once is one chunk's. At long context those products are a decoder layer's largest
+  alone. Phi-3's MLP computes gate and up with one joined projection, `gate_up_proj`: its two
+  halves go to the kernel as they lie, and their gradients come back into one buffer, no copy.
+  With `mlp_chunk_tokens` the MLP runs over chunks of that many tokens, each chunk recomputed in
+  backward (non-reentrant checkpointing): what autograd keeps of the MLP is its input, not the
+  three [tokens, intermediate_size] products (gate, up, their product), and what runs at once is
+  one chunk's. At long context those products are a decoder layer's largest
   tensors (at 131,072 tokens of Llama-3.1-8B, 3.5 GiB each); the price is one more forward of the
   MLP in backward. In the families whose decoder layers only add the MLP's output to the residual
   stream (`PatchSpec.mlp_output_summed_only`), a plain down_proj is multiplied by
@@ -20,6 +22,8 @@ file correspond to which kernel; `patch_model` applies any row of it and `unpatc
   gradient checkpointing recompute runs it (nothing the layer keeps for backward reads it).
 - RoPE: the attention modules call their modeling file's module-level `apply_rotary_pos_emb`, so
   that function is replaced in the modeling module by a redirect to `ligertune.kernels.apply_rope`.
+  With a partial rotary embedding (Phi-3's `partial_rotary_factor`: cos and sin narrower than the
+  head) the kernel turns the first channels and the rest pass through, as the original does.
   This one is per family, not per model: while any patched model of a family is alive, every model
   of that family in the process uses the kernel (which computes the same values). The redirect
   keeps the original function and the set of models that asked for it; `unpatch_model` of the last
@@ -45,6 +49,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ligertune import kernels
+from ligertune.models.columns import split_columns
 from ligertune.models.unwrap import unwrap_model
 
 
@@ -67,6 +72,8 @@ class PatchSpec:
     """Config attribute naming that MLP's activation."""
     rope: str | None = "apply_rotary_pos_emb"
     """Module-level function applying the rotary embedding to q and k, as `apply_rope` does."""
+    mlp_gate_up: bool = False
+    """The MLP computes gate and up as the two halves of one projection, `gate_up_proj` (Phi-3)."""
     mlp_output_summed_only: bool = True
     """The decoder layer adds the MLP's output to the residual stream and does nothing else with it
     (no norm after the MLP, as Gemma 2 and 3 have): a recomputed layer's last product, down_proj's,
@@ -92,6 +99,8 @@ PATCH_TABLE: Mapping[str, PatchSpec] = MappingProxyType({
                     mlp_output_summed_only=False),
     "gemma3_text": _spec("gemma3", "Gemma3", norm_eps="eps", norm_offset=1.0, activation="hidden_activation",
                          mlp_output_summed_only=False),
+    # The MLP's output passes a dropout (`resid_pdrop`) before the sum, whose backward reads its mask only.
+    "phi3": _spec("phi3", "Phi3", mlp_gate_up=True),
 })
 """`config.model_type` -> `PatchSpec`, the one table of supported families."""
 
@@ -175,7 +184,8 @@ def patch_model(
             mlp_class = getattr(modeling, spec.mlp)
             for module in base.modules():
                 if isinstance(module, mlp_class):
-                    _set_forward(module, _glu_forward, glu=glu, chunk_tokens=mlp_chunk_tokens,
+                    _set_forward(module, _glu_forward, glu=glu, gate_up=spec.mlp_gate_up,
+                                 chunk_tokens=mlp_chunk_tokens,
                                  last_unneeded_in_recompute=spec.mlp_output_summed_only)
                     report.mlps += 1
             report.glu = glu
@@ -235,9 +245,10 @@ def _rms_norm_forward(module: nn.Module, x: torch.Tensor, *, eps_attr: str, offs
     return kernels.rms_norm(x, module.weight, getattr(module, eps_attr), offset)
 
 
-def _glu_forward(module: nn.Module, x: torch.Tensor, *, glu: str, chunk_tokens: int | None = None,
-                 last_unneeded_in_recompute: bool = False) -> torch.Tensor:
-    mlp = functools.partial(_glu_mlp, glu=glu, last_unneeded_in_recompute=last_unneeded_in_recompute)
+def _glu_forward(module: nn.Module, x: torch.Tensor, *, glu: str, gate_up: bool = False,
+                 chunk_tokens: int | None = None, last_unneeded_in_recompute: bool = False) -> torch.Tensor:
+    mlp = functools.partial(_glu_mlp, glu=glu, gate_up=gate_up,
+                            last_unneeded_in_recompute=last_unneeded_in_recompute)
     tokens = x.shape[:-1].numel()
     if chunk_tokens is None or tokens <= chunk_tokens:
         return mlp(module, x)
@@ -264,10 +275,15 @@ class _KeptForRecompute(torch.autograd.Function):
         return grad
 
 
-def _glu_mlp(module: nn.Module, x: torch.Tensor, *, glu: str, last_unneeded_in_recompute: bool = False
-             ) -> torch.Tensor:
+def _glu_mlp(module: nn.Module, x: torch.Tensor, *, glu: str, gate_up: bool = False,
+             last_unneeded_in_recompute: bool = False) -> torch.Tensor:
+    if gate_up:
+        joined = module.gate_up_proj(x)
+        gate, up = split_columns(joined, [joined.shape[-1] // 2] * 2)
+    else:
+        gate, up = module.gate_proj(x), module.up_proj(x)
     # gate and up exist for this product alone: their memory can take their gradients.
-    h = getattr(kernels, glu)(module.gate_proj(x), module.up_proj(x), reuse_inputs=True)
+    h = getattr(kernels, glu)(gate, up, reuse_inputs=True)
     down = module.down_proj
     if last_unneeded_in_recompute and torch.is_grad_enabled() and not torch.is_autocast_enabled(h.device.type):
         if type(down) is nn.Linear:
@@ -314,7 +330,8 @@ class _RopeRedirect:
     """Stands in for a modeling file's `apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`.
 
     Calls `kernels.apply_rope` in the layout it supports (q, k [B, H, L, D], cos/sin [B or 1, L, D],
-    the layout of every family in `PATCH_TABLE`) and the original function for anything else.
+    the layout of every family in `PATCH_TABLE`; cos/sin [B or 1, L, R] with R < D turn the first R
+    channels, a partial rotary embedding) and the original function for anything else.
     """
 
     def __init__(self, original: Callable):
@@ -326,12 +343,17 @@ class _RopeRedirect:
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         unsqueeze_dim = kwargs.get("unsqueeze_dim", 1)
+        rotary = cos.shape[-1]
         if (
             args or set(kwargs) - {"unsqueeze_dim"} or unsqueeze_dim != 1
-            or q.dim() != 4 or cos.dim() != 3 or cos.shape[-1] != q.shape[-1]
+            or q.dim() != 4 or cos.dim() != 3 or rotary > q.shape[-1] or rotary % 2
         ):
             return self.original(q, k, cos, sin, *args, **kwargs)
-        return kernels.apply_rope(q, k, cos, sin)
+        if rotary == q.shape[-1]:
+            return kernels.apply_rope(q, k, cos, sin)
+        # A partial rotary embedding: the first `rotary` channels turn, the others pass through.
+        q_turned, k_turned = kernels.apply_rope(q[..., :rotary], k[..., :rotary], cos, sin)
+        return torch.cat([q_turned, q[..., rotary:]], dim=-1), torch.cat([k_turned, k[..., rotary:]], dim=-1)
 
     def __repr__(self) -> str:
         return f"<ligertune RoPE redirect for {self.original!r}>"

@@ -1,7 +1,7 @@
-"""A small Llama (and a small Gemma 2) on CUDA at training lengths: ligertune's kernels leave its loss
-and gradients as they were, and conversations packed into rows (varlen attention) give the loss and
-gradients of the same conversations run one by one. The tests/models tests check the same at tiny
-sizes on the CPU.
+"""A small Llama (and a small Gemma 2 and Phi-3) on CUDA at training lengths: ligertune's kernels
+leave its loss and gradients as they were, and conversations packed into rows (varlen attention)
+give the loss and gradients of the same conversations run one by one. The tests/models tests check
+the same at tiny sizes on the CPU.
 """
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ SMALL_LLAMA = {
 SMALL_GEMMA2 = {
     **SMALL_LLAMA, "model_type": "gemma2", "head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 512,
     "hidden_activation": "gelu_pytorch_tanh",
+}
+SMALL_PHI3 = {
+    **SMALL_LLAMA, "model_type": "phi3", "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
 }
 MAX_SEQ_LEN = 2048
 
@@ -76,11 +80,12 @@ def assert_same(got: tuple[float, torch.Tensor], want: tuple[float, torch.Tensor
     assert relative_error(grads, want_grads) <= grad_tol
 
 
-@pytest.mark.parametrize("config", [SMALL_LLAMA, SMALL_GEMMA2], ids=["llama", "gemma2"])
+@pytest.mark.parametrize("config", [SMALL_LLAMA, SMALL_GEMMA2, SMALL_PHI3], ids=["llama", "gemma2", "phi3"])
 @pytest.mark.parametrize("dtype, loss_tol, grad_tol", DTYPES)
 def test_patched_model_equals_unpatched(dtype, loss_tol, grad_tol, config):
-    """RMSNorm, RoPE, SwiGLU (GeGLU for Gemma 2, with its (1 + w) norms) and the fused loss against
-    the model as transformers runs it."""
+    """RMSNorm, RoPE, SwiGLU (GeGLU for Gemma 2, with its (1 + w) norms; Phi-3's over its joined
+    gate_up_proj, with three quarters of each head rotated) and the fused loss against the model as
+    transformers runs it."""
     model = small_llama(dtype, config)
     batch = collate(pack(conversations([300, 1000, 57, 641], seed=0), MAX_SEQ_LEN)).to("cuda")
     supervised = (batch.targets != -100).float()
@@ -92,7 +97,7 @@ def test_patched_model_equals_unpatched(dtype, loss_tol, grad_tol, config):
 
     unpatched = loss_and_grads(model, [loss_of(CausalLMLoss(model, fused=False))])
     report = patch_model(model)
-    assert report.mlps == 4 and report.glu == ("swiglu" if config is SMALL_LLAMA else "geglu")
+    assert report.mlps == 4 and report.glu == ("geglu" if config is SMALL_GEMMA2 else "swiglu")
     try:
         patched = loss_and_grads(model, [loss_of(CausalLMLoss(model, fused=True))])
     finally:

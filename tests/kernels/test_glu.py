@@ -12,7 +12,7 @@ from kernel_testing import DEVICE, rel_err
 
 import ligertune.kernels as K
 from ligertune.kernels import reference
-from ligertune.models.lora import _SplitColumns
+from ligertune.models.columns import split_columns
 
 SHAPES = [
     pytest.param((37, 123), id="N37-I123"),
@@ -179,7 +179,7 @@ def test_gate_and_up_gradients_reach_the_joined_gemm_where_swiglu_wrote_them(mon
     joined = leaf * 1  # a joined GEMM's output: gate's columns, then up's
     seen = {}
     joined.register_hook(lambda g: seen.setdefault("grad", g))
-    gate, up = _SplitColumns.apply(joined, [7, 7])
+    gate, up = split_columns(joined, [7, 7])
     dy = torch.randn(2, 5, 7, device=DEVICE)
     K.swiglu(gate, up, reuse_inputs=True).backward(dy)
     gate0, up0 = (t.detach().requires_grad_(True) for t in leaf.detach().split(7, dim=-1))
@@ -187,7 +187,7 @@ def test_gate_and_up_gradients_reach_the_joined_gemm_where_swiglu_wrote_them(mon
     assert seen["grad"].data_ptr() == joined.data_ptr()  # no copy: SwiGLU's gradients, where it wrote them
     assert torch.equal(leaf.grad, torch.cat([gate0.grad, up0.grad], dim=-1))
     # gradients that are not one buffer's adjacent columns are joined by a copy, as torch.split's
-    q, v = _SplitColumns.apply(leaf * 1, [7, 7])
+    q, v = split_columns(leaf * 1, [7, 7])
     leaf.grad = None
     (q.sum() + 2 * v.sum()).backward()
     assert torch.equal(leaf.grad, torch.cat([torch.ones(2, 5, 7), torch.full((2, 5, 7), 2.0)], dim=-1).to(DEVICE))

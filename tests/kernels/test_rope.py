@@ -140,6 +140,26 @@ def test_reference_is_transformers_apply_rotary_pos_emb(dtype):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+def test_partial_rotary_turns_the_first_channels_as_phi3_does(triton_path, dtype, tol):
+    """The patched `apply_rotary_pos_emb` of Phi-3 (`models.patching._RopeRedirect`) with cos and sin
+    narrower than the head (`partial_rotary_factor`): the kernel turns the first 8 of 24 channels
+    and the others pass through, against Phi-3's own function, values and gradients."""
+    from transformers.models.phi3 import modeling_phi3
+
+    from ligertune.models.patching import _RopeRedirect
+
+    original = getattr(modeling_phi3.apply_rotary_pos_emb, "original", modeling_phi3.apply_rotary_pos_emb)
+    shape = (2, 6, 2, 37, 24)
+    q, k, dq_embed, dk_embed = make_qk(shape, dtype, hf_layout=True, seed=5)
+    cos, sin = rotary(8, pack_positions(2, 37), dtype)
+    got = run(_RopeRedirect(original), q, k, cos, sin, dq_embed, dk_embed)
+    want = run(original, q, k, cos, sin, dq_embed, dk_embed)
+    for name, a, b in zip(("q_embed", "k_embed", "dq", "dk"), got, want):
+        assert rel_err(a, b) < tol, name
+        assert torch.equal(a[..., 8:], b[..., 8:]), name  # passed through untouched
+
+
 def test_bad_arguments_raise():
     q, k, _, _ = make_qk((2, 4, 2, 5, 8), torch.float32, hf_layout=False)
     cos, sin = rotary(8, torch.arange(5)[None], torch.float32)

@@ -37,6 +37,9 @@ FAMILIES: dict[str, dict] = {
     "gemma": {"model_type": "gemma", **_BASE, "head_dim": 16},
     "gemma2": {"model_type": "gemma2", **_BASE, **_GEMMA},
     "gemma3": {"model_type": "gemma3_text", **_BASE, **_GEMMA},
+    # One joined gate_up_proj (and qkv_proj); half of each head rotated.
+    "phi3": {"model_type": "phi3", **_BASE, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
 }
 """Family id -> config fields of its tiny model."""
 

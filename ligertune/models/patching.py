@@ -65,6 +65,9 @@ class PatchSpec:
     """Attribute of the norm module holding its epsilon."""
     norm_offset: float = 0.0
     """Added to the norm weight: 0 for `w * x_hat`, 1 for Gemma's `(1 + w) * x_hat`."""
+    norm_casting: str | None = None
+    """Where the norm rounds to the input dtype (`kernels.rms_norm`'s `casting`): "llama" before the
+    weight multiplies, "gemma" after it (OLMo 2's too); None: by the offset."""
     mlp: str | None = None
     """Gated MLP class name (with gate_proj, up_proj, down_proj), patched when its activation is one
     of `GLU_KERNELS`."""
@@ -101,6 +104,10 @@ PATCH_TABLE: Mapping[str, PatchSpec] = MappingProxyType({
                          mlp_output_summed_only=False),
     # The MLP's output passes a dropout (`resid_pdrop`) before the sum, whose backward reads its mask only.
     "phi3": _spec("phi3", "Phi3", mlp_gate_up=True),
+    "smollm3": _spec("smollm3", "SmolLM3"),
+    # Norms after the attention and the MLP (and over q and k), rounding once after the weight.
+    "olmo2": _spec("olmo2", "Olmo2", norm_casting="gemma", mlp_output_summed_only=False),
+    "olmo3": _spec("olmo3", "Olmo3", norm_casting="gemma", mlp_output_summed_only=False),
 })
 """`config.model_type` -> `PatchSpec`, the one table of supported families."""
 
@@ -174,7 +181,8 @@ def patch_model(
         norm_class = getattr(modeling, spec.rms_norm)
         for module in base.modules():
             if isinstance(module, norm_class):
-                _set_forward(module, _rms_norm_forward, eps_attr=spec.norm_eps, offset=spec.norm_offset)
+                _set_forward(module, _rms_norm_forward, eps_attr=spec.norm_eps, offset=spec.norm_offset,
+                             casting=spec.norm_casting)
                 report.rms_norm += 1
 
     if swiglu and spec.mlp is not None:
@@ -241,8 +249,9 @@ def _set_forward(module: nn.Module, fn: Callable, **options: Any) -> None:
 # the replacement forwards
 
 
-def _rms_norm_forward(module: nn.Module, x: torch.Tensor, *, eps_attr: str, offset: float) -> torch.Tensor:
-    return kernels.rms_norm(x, module.weight, getattr(module, eps_attr), offset)
+def _rms_norm_forward(module: nn.Module, x: torch.Tensor, *, eps_attr: str, offset: float,
+                      casting: str | None = None) -> torch.Tensor:
+    return kernels.rms_norm(x, module.weight, getattr(module, eps_attr), offset, casting)
 
 
 def _glu_forward(module: nn.Module, x: torch.Tensor, *, glu: str, gate_up: bool = False,

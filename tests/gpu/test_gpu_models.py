@@ -1,4 +1,4 @@
-"""A small Llama (and a small Gemma 2 and Phi-3) on CUDA at training lengths: ligertune's kernels
+"""A small Llama (and a small Gemma 2, Phi-3 and OLMo 2) on CUDA at training lengths: ligertune's kernels
 leave its loss and gradients as they were, and conversations packed into rows (varlen attention)
 give the loss and gradients of the same conversations run one by one. The tests/models tests check
 the same at tiny sizes on the CPU.
@@ -35,6 +35,7 @@ SMALL_PHI3 = {
     **SMALL_LLAMA, "model_type": "phi3", "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
 }
+SMALL_OLMO2 = {**SMALL_LLAMA, "model_type": "olmo2", "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 MAX_SEQ_LEN = 2048
 
 # (dtype, relative tolerance on the loss, on the gradient of every parameter taken as one vector)
@@ -80,11 +81,13 @@ def assert_same(got: tuple[float, torch.Tensor], want: tuple[float, torch.Tensor
     assert relative_error(grads, want_grads) <= grad_tol
 
 
-@pytest.mark.parametrize("config", [SMALL_LLAMA, SMALL_GEMMA2, SMALL_PHI3], ids=["llama", "gemma2", "phi3"])
+@pytest.mark.parametrize("config", [SMALL_LLAMA, SMALL_GEMMA2, SMALL_PHI3, SMALL_OLMO2],
+                         ids=["llama", "gemma2", "phi3", "olmo2"])
 @pytest.mark.parametrize("dtype, loss_tol, grad_tol", DTYPES)
 def test_patched_model_equals_unpatched(dtype, loss_tol, grad_tol, config):
     """RMSNorm, RoPE, SwiGLU (GeGLU for Gemma 2, with its (1 + w) norms; Phi-3's over its joined
-    gate_up_proj, with three quarters of each head rotated) and the fused loss against the model as
+    gate_up_proj, with three quarters of each head rotated; OLMo 2's norms after the attention and the
+    MLP and over q and k, rounding after the weight) and the fused loss against the model as
     transformers runs it."""
     model = small_llama(dtype, config)
     batch = collate(pack(conversations([300, 1000, 57, 641], seed=0), MAX_SEQ_LEN)).to("cuda")

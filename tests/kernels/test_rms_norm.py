@@ -108,21 +108,26 @@ def test_kernel_against_float64_formula(triton_path):
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")])
-@pytest.mark.parametrize("family", ["llama", "gemma"])
+@pytest.mark.parametrize("family", ["llama", "gemma", "olmo2"])
 def test_reference_is_transformers_module(family, dtype):
+    """Each casting of `rms_norm` is a `transformers` norm to the bit: "llama" LlamaRMSNorm's, "gemma"
+    GemmaRMSNorm's with offset 1 and OLMo 2's with offset 0 (the weight multiplied in float32)."""
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
     x, w, dy = make_inputs((3, 37, 123), dtype, seed=4)
-    module = (LlamaRMSNorm(123, eps=1e-5) if family == "llama" else GemmaRMSNorm(123, eps=1e-5)).to(DEVICE, dtype)
+    norm, offset, casting = {"llama": (LlamaRMSNorm, 0.0, "llama"), "gemma": (GemmaRMSNorm, 1.0, "gemma"),
+                             "olmo2": (Olmo2RMSNorm, 0.0, "gemma")}[family]
+    module = norm(123, eps=1e-5).to(DEVICE, dtype)
     with torch.no_grad():
         module.weight.copy_(w)
-    offset = 0.0 if family == "llama" else 1.0
 
     x_hf = x.clone().requires_grad_(True)
     y_hf = module(x_hf)
     y_hf.backward(dy)
-    y, dx, dw = run(reference.rms_norm, x, w.requires_grad_(True), dy, eps=1e-5, offset=offset)
+    y, dx, dw = run(reference.rms_norm, x, w.requires_grad_(True), dy, eps=1e-5, offset=offset,
+                    casting=casting)
     assert torch.equal(y, y_hf.detach())
     assert torch.equal(dx, x_hf.grad)
     assert torch.equal(dw, module.weight.grad)

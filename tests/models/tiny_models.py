@@ -28,6 +28,8 @@ _BASE = {
 }
 
 _GEMMA = {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 4}
+_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+"""Special token ids inside the tiny vocabulary, for the families whose defaults lie beyond it."""
 
 FAMILIES: dict[str, dict] = {
     "llama": {"model_type": "llama", **_BASE},
@@ -37,8 +39,12 @@ FAMILIES: dict[str, dict] = {
     "gemma": {"model_type": "gemma", **_BASE, "head_dim": 16},
     "gemma2": {"model_type": "gemma2", **_BASE, **_GEMMA},
     "gemma3": {"model_type": "gemma3_text", **_BASE, **_GEMMA},
+    "smollm3": {"model_type": "smollm3", **_BASE, "no_rope_layer_interval": 2, **_TOKENS},  # layer 2: no RoPE
+    # Norms after the attention and the MLP, and over q and k; OLMo 3's layers all sliding-window.
+    "olmo2": {"model_type": "olmo2", **_BASE, **_TOKENS},
+    "olmo3": {"model_type": "olmo3", **_BASE, "sliding_window": 4, **_TOKENS},
     # One joined gate_up_proj (and qkv_proj); half of each head rotated.
-    "phi3": {"model_type": "phi3", **_BASE, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+    "phi3": {"model_type": "phi3", **_BASE, **_TOKENS,
              "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
 }
 """Family id -> config fields of its tiny model."""

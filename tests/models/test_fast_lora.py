@@ -170,6 +170,25 @@ def test_fast_lora_equals_peft(family, targets, case):
                 oracle=float32_oracle(case, model, ids, targets_))
 
 
+# family -> (layers adapted, groups sharing one product) under all-linear, two layers each
+OTHER_LAYOUTS = {
+    "phi3": (4 * LAYERS, 0),  # qkv_proj, o_proj, gate_up_proj, down_proj: q, k, v and gate, up already one
+    "smollm3": (7 * LAYERS, 2 * LAYERS),
+    "olmo2": (7 * LAYERS, 2 * LAYERS),  # q and k pass their norms after the shared product
+}
+
+
+@pytest.mark.parametrize("case", ["fp32", "bf16"])
+@pytest.mark.parametrize("family", list(OTHER_LAYOUTS))
+def test_fast_lora_equals_peft_in_other_layouts(family, case):
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    model, fast, report = wrapped_pair(family, case, lora)
+    assert (report.modules, report.shared, dict(report.kept)) == (*OTHER_LAYOUTS[family], {})
+    ids, targets = token_batch()
+    assert_same(logits_loss_grads(fast, ids, targets), logits_loss_grads(model, ids, targets), case,
+                oracle=float32_oracle(case, model, ids, targets))
+
+
 def test_the_fast_path_needs_no_bitsandbytes(monkeypatch):
     """bitsandbytes is an extra, and peft's module of LoRA layers over its bases imports it: without
     it the fast path runs over plain layers as ever. Hidden here as if not installed: not found (what

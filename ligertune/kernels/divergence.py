@@ -24,10 +24,19 @@ blocks:
     pass 3  d loss / d r written over the student's row, in place (forward_kl sums its D_t here: its
             gradient needs no row sum)
 
-Forward and reverse KL read each row twice; JSD three times.
+Forward and reverse KL read each row twice; JSD three times. All of it in float32 registers: no
+float32 [rows, V] temporary is allocated, so the two logits buffers are the chunk's whole working
+set.
 
-All of it in float32 registers: no float32 [rows, V] temporary is allocated, so the two logits
-buffers are the chunk's whole working set.
+The kernel moves its bytes near memory speed only if it spends few instructions an element, so:
+
+- logarithms and exponentials are base 2 (log2 Q = (z - m) log2(e) / tau - log2 of the normalizer:
+  a subtraction and a fused multiply-add from the logit; on a GPU `exp2` and the approximate `log2`
+  are single hardware instructions), and the row sums in bits are turned to nats once, at the end;
+- a running sum is a vector of one lane a column, summed once at the row's end; only the max is
+  reduced a block, and the first argmax is looked for in a block only when its max is a new one;
+- a column past V or a logit of -inf has log P = -inf and P = 0; clamped log-probabilities (at
+  -1e30) keep its terms 0 log 0 = 0 with no mask or comparison in the sums.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from ligertune.kernels.chunked_divergence import ChunkDivergence, chunked_linear_divergence
 from ligertune.kernels.cross_entropy import _tanh
@@ -49,37 +59,45 @@ FORWARD_KL: tl.constexpr = tl.constexpr(0)
 REVERSE_KL: tl.constexpr = tl.constexpr(1)
 JSD: tl.constexpr = tl.constexpr(2)
 
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+LOG_FLOOR: tl.constexpr = tl.constexpr(-1e30)
+
 
 @triton.jit
-def _log_probs(s_row, t_row, start, V, m_s, m_t, log_norm_s, log_norm_t, inv_temperature, softcap,
-               teacher_softcap, BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-               HAS_TEACHER_SOFTCAP: tl.constexpr):
-    """The block of a row's student and teacher logits from column `start`, as passes 2 and 3 read
-    it: its columns and their mask, the student's (capped) logits z_s, tanh(z / c) of its cap (the
-    cap's gradient needs it; 0 without a cap), and log Q and log P at the temperature, from pass 1's
-    maxima and normalizers."""
-    cols = start + tl.arange(0, BLOCK_V)
-    mask = cols < V
-    b_zs = tl.load(s_row + cols, mask=mask, other=0.0).to(tl.float32)
-    b_zt = tl.load(t_row + cols, mask=mask, other=0.0).to(tl.float32)
+def _log2(x, FAST: tl.constexpr):
+    """log2 x: the hardware's approximate log2 on a GPU (`tl.log2` is a longer, exact libm call);
+    `tl.log2` where the interpreter runs the kernel."""
+    if FAST:
+        return libdevice.fast_log2f(x)
+    else:
+        return tl.log2(x)
+
+
+@triton.jit
+def _logits(s_row, t_row, cols, mask, softcap, teacher_softcap, HAS_SOFTCAP: tl.constexpr,
+            HAS_TEACHER_SOFTCAP: tl.constexpr):
+    """The block of a row's student and teacher logits at `cols`, capped, -inf past V; and tanh(z / c)
+    of the student's cap (the cap's gradient needs it; 0 without a cap)."""
+    b_zs = tl.load(s_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    b_zt = tl.load(t_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
     b_ts = tl.zeros_like(b_zs)
+    # The cap maps -inf to -c: columns past V back to -inf.
     if HAS_SOFTCAP:
         b_ts = _tanh(b_zs * (1.0 / softcap))
-        b_zs = softcap * b_ts
+        b_zs = tl.where(mask, softcap * b_ts, float("-inf"))
     if HAS_TEACHER_SOFTCAP:
-        b_zt = teacher_softcap * _tanh(b_zt * (1.0 / teacher_softcap))
-    b_log_q = (b_zs - m_s) * inv_temperature - log_norm_s
-    b_log_p = (b_zt - m_t) * inv_temperature - log_norm_t
-    return cols, mask, b_zs, b_ts, b_log_q, b_log_p
+        b_zt = tl.where(mask, teacher_softcap * _tanh(b_zt * (1.0 / teacher_softcap)), float("-inf"))
+    return b_zs, b_ts, b_zt
 
 
 @triton.jit
-def _log_m(log_p, log_q, log_beta, log_one_minus_beta):
-    """log M, M = beta P + (1 - beta) Q, as logsumexp(log beta + log P, log(1 - beta) + log Q): M
-    itself may underflow."""
-    a = log_p + log_beta
-    b = log_q + log_one_minus_beta
-    return tl.maximum(a, b) + tl.log(1.0 + tl.exp(-tl.abs(a - b)))
+def _log2_m(log_p, log_q, log2_beta, log2_one_minus_beta, FAST: tl.constexpr):
+    """log2 M, M = beta P + (1 - beta) Q, as the log-sum-exp of log2 beta + log2 P and
+    log2(1 - beta) + log2 Q: M itself may underflow, and where P = Q this is log2 Q to the last bit."""
+    a = log_p + log2_beta
+    b = log_q + log2_one_minus_beta
+    return tl.maximum(a, b) + _log2(1.0 + tl.exp2(-tl.abs(a - b)), FAST)
 
 
 @triton.jit
@@ -96,8 +114,8 @@ def _fused_linear_divergence_fwd_kernel(
     grad_scale,
     inv_temperature,
     beta,
-    log_beta,
-    log_one_minus_beta,
+    log2_beta,
+    log2_one_minus_beta,
     ce_weight,
     softcap,
     teacher_softcap,
@@ -108,6 +126,7 @@ def _fused_linear_divergence_fwd_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_TEACHER_SOFTCAP: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr,
+    FAST_LOG: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     # int64 before the stride: rows * V passes 2^31 for a chunk of 16k rows of a 150k vocabulary.
@@ -118,91 +137,101 @@ def _fused_linear_divergence_fwd_kernel(
     z_s_y = tl.load(s_row + y).to(tl.float32)
     z_t_y = tl.load(t_row + y).to(tl.float32)
     if HAS_SOFTCAP:
-        inv_softcap = 1.0 / softcap
-        z_s_y = softcap * _tanh(z_s_y * inv_softcap)
+        z_s_y = softcap * _tanh(z_s_y * (1.0 / softcap))
     if HAS_TEACHER_SOFTCAP:
-        inv_teacher_softcap = 1.0 / teacher_softcap
-        z_t_y = teacher_softcap * _tanh(z_t_y * inv_teacher_softcap)
+        z_t_y = teacher_softcap * _tanh(z_t_y * (1.0 / teacher_softcap))
+    # log2(e) / tau: log2 of an unnormalized probability at the temperature is (z - m) k_tau.
+    k_tau = inv_temperature * LOG2E
 
     # Pass 1: per row, max, sums of exponentials at temperatures 1 and tau, first argmax; for
     # reverse_kl also sum_v exp((z_s - m_s) / tau) (z_s - z_t), from which KL(Q || P) follows.
     m_s = float("-inf")
     m_t = float("-inf")
-    sum_s = 0.0
-    sum_t = 0.0
-    sum_tau_s = 0.0
-    sum_tau_t = 0.0
-    sum_gap = 0.0
     argmax_s = 0
     argmax_t = 0
+    acc_s = tl.zeros([BLOCK_V], dtype=tl.float32)
+    acc_t = tl.zeros([BLOCK_V], dtype=tl.float32)
+    acc_tau_s = tl.zeros([BLOCK_V], dtype=tl.float32)
+    acc_tau_t = tl.zeros([BLOCK_V], dtype=tl.float32)
+    acc_gap = tl.zeros([BLOCK_V], dtype=tl.float32)
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < V
-        b_zs = tl.load(s_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        b_zt = tl.load(t_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        # The cap maps -inf to -c: masked columns back to -inf.
-        if HAS_SOFTCAP:
-            b_zs = tl.where(mask, softcap * _tanh(b_zs * inv_softcap), float("-inf"))
-        if HAS_TEACHER_SOFTCAP:
-            b_zt = tl.where(mask, teacher_softcap * _tanh(b_zt * inv_teacher_softcap), float("-inf"))
+        b_zs, b_ts, b_zt = _logits(s_row, t_row, cols, mask, softcap, teacher_softcap, HAS_SOFTCAP,
+                                   HAS_TEACHER_SOFTCAP)
         b_max_s = tl.max(b_zs, axis=0)
         b_max_t = tl.max(b_zt, axis=0)
         # Blocks come in column order and only a strictly larger max moves the argmax: ties keep the
-        # lowest column, as torch.argmax does.
-        argmax_s = tl.where(b_max_s > m_s, tl.min(tl.where(b_zs == b_max_s, cols, V), axis=0), argmax_s)
-        argmax_t = tl.where(b_max_t > m_t, tl.min(tl.where(b_zt == b_max_t, cols, V), axis=0), argmax_t)
-        m_s_new = tl.maximum(m_s, b_max_s)
-        m_t_new = tl.maximum(m_t, b_max_t)
-        sum_s = sum_s * tl.exp(m_s - m_s_new) + tl.sum(tl.exp(b_zs - m_s_new), axis=0)
-        sum_t = sum_t * tl.exp(m_t - m_t_new) + tl.sum(tl.exp(b_zt - m_t_new), axis=0)
+        # lowest column, as torch.argmax does. A new max is rare after the first blocks.
+        if b_max_s > m_s:
+            argmax_s = tl.min(tl.where(b_zs == b_max_s, cols, V), axis=0)
+            scale = tl.exp2((m_s - b_max_s) * LOG2E)
+            acc_s *= scale
+            if HAS_TEMPERATURE:
+                acc_tau_s *= tl.exp2((m_s - b_max_s) * k_tau)
+            if DIVERGENCE == REVERSE_KL:
+                acc_gap *= tl.exp2((m_s - b_max_s) * k_tau)
+            m_s = b_max_s
+        if b_max_t > m_t:
+            argmax_t = tl.min(tl.where(b_zt == b_max_t, cols, V), axis=0)
+            acc_t *= tl.exp2((m_t - b_max_t) * LOG2E)
+            if HAS_TEMPERATURE:
+                acc_tau_t *= tl.exp2((m_t - b_max_t) * k_tau)
+            m_t = b_max_t
+        b_es = tl.exp2((b_zs - m_s) * LOG2E)
+        acc_s += b_es
+        acc_t += tl.exp2((b_zt - m_t) * LOG2E)
         if HAS_TEMPERATURE:
-            # max(z / tau) = max(z) / tau for tau > 0: one running max serves both sums.
-            sum_tau_s = sum_tau_s * tl.exp((m_s - m_s_new) * inv_temperature) + tl.sum(
-                tl.exp((b_zs - m_s_new) * inv_temperature), axis=0)
-            sum_tau_t = sum_tau_t * tl.exp((m_t - m_t_new) * inv_temperature) + tl.sum(
-                tl.exp((b_zt - m_t_new) * inv_temperature), axis=0)
+            b_es = tl.exp2((b_zs - m_s) * k_tau)
+            acc_tau_s += b_es
+            acc_tau_t += tl.exp2((b_zt - m_t) * k_tau)
         if DIVERGENCE == REVERSE_KL:
-            b_gap = tl.where(mask, tl.exp((b_zs - m_s_new) * inv_temperature) * (b_zs - b_zt), 0.0)
-            sum_gap = sum_gap * tl.exp((m_s - m_s_new) * inv_temperature) + tl.sum(b_gap, axis=0)
-        m_s = m_s_new
-        m_t = m_t_new
-    if not HAS_TEMPERATURE:
-        sum_tau_s = sum_s
-        sum_tau_t = sum_t
-    lse_s = m_s + tl.log(sum_s)
+            acc_gap += tl.where(mask, b_es * (b_zs - b_zt), 0.0)
+    sum_s = tl.sum(acc_s, axis=0)
+    sum_t = tl.sum(acc_t, axis=0)
+    sum_tau_s = sum_s
+    sum_tau_t = sum_t
+    if HAS_TEMPERATURE:
+        sum_tau_s = tl.sum(acc_tau_s, axis=0)
+        sum_tau_t = tl.sum(acc_tau_t, axis=0)
+    lse_s = m_s + _log2(sum_s, FAST_LOG) * LN2
     ce = lse_s - z_s_y
-    teacher_ce = m_t + tl.log(sum_t) - z_t_y
-    # log Q_v = (z_v - m) / tau - log_norm: the form of the sums above, so that Q sums to 1.
-    log_norm_s = tl.log(sum_tau_s)
-    log_norm_t = tl.log(sum_tau_t)
+    teacher_ce = m_t + _log2(sum_t, FAST_LOG) * LN2 - z_t_y
+    # log2 Q_v = (z_v - m_s) k_tau - log_norm_s: the form of the sums above, so that Q sums to 1 (and
+    # exact where it matters most, at the max, whatever the size of m k_tau).
+    log_norm_s = _log2(sum_tau_s, FAST_LOG)
+    log_norm_t = _log2(sum_tau_t, FAST_LOG)
 
     # KL(Q || P) = sum_v Q_v (log Q_v - log P_v), log Q_v - log P_v = (z_s - z_t)_v / tau + a
-    # constant of the row, and sum_v Q_v = 1.
+    # constant of the row, and sum_v Q_v = 1. In bits, as every row sum below until the end.
     div = 0.0
     if DIVERGENCE == REVERSE_KL:
-        div = (sum_gap / sum_tau_s - (m_s - m_t)) * inv_temperature - log_norm_s + log_norm_t
+        div = (tl.sum(acc_gap, axis=0) / sum_tau_s - (m_s - m_t)) * k_tau - log_norm_s + log_norm_t
 
     # Pass 2: the divergence's row sums where pass 1 could not form them (jsd: KL(P || M) and
     # KL(Q || M); forward_kl without a gradient, which otherwise sums it in pass 3).
     kl_qm = 0.0
     if DIVERGENCE == JSD or (DIVERGENCE == FORWARD_KL and not COMPUTE_GRAD):
-        kl_pm = 0.0
+        acc_pm = tl.zeros([BLOCK_V], dtype=tl.float32)
+        acc_qm = tl.zeros([BLOCK_V], dtype=tl.float32)
         for start in range(0, V, BLOCK_V):
-            cols, mask, b_zs, b_ts, b_log_q, b_log_p = _log_probs(
-                s_row, t_row, start, V, m_s, m_t, log_norm_s, log_norm_t, inv_temperature, softcap,
-                teacher_softcap, BLOCK_V, HAS_SOFTCAP, HAS_TEACHER_SOFTCAP)
-            # A term whose probability is 0 (masked, or underflowed) is 0: 0 log 0 = 0.
+            cols = start + tl.arange(0, BLOCK_V)
+            b_zs, b_ts, b_zt = _logits(s_row, t_row, cols, cols < V, softcap, teacher_softcap,
+                                       HAS_SOFTCAP, HAS_TEACHER_SOFTCAP)
+            b_log_q = tl.maximum((b_zs - m_s) * k_tau - log_norm_s, LOG_FLOOR)
+            b_log_p = tl.maximum((b_zt - m_t) * k_tau - log_norm_t, LOG_FLOOR)
+            b_p = tl.exp2(b_log_p)
             if DIVERGENCE == FORWARD_KL:
-                b_p = tl.exp(b_log_p)
-                div += tl.sum(tl.where(mask & (b_p > 0.0), b_p * (b_log_p - b_log_q), 0.0), axis=0)
+                acc_pm += b_p * (b_log_p - b_log_q)
             else:
-                b_log_m = _log_m(b_log_p, b_log_q, log_beta, log_one_minus_beta)
-                b_p = tl.exp(b_log_p)
-                b_q = tl.exp(b_log_q)
-                kl_pm += tl.sum(tl.where(mask & (b_p > 0.0), b_p * (b_log_p - b_log_m), 0.0), axis=0)
-                kl_qm += tl.sum(tl.where(mask & (b_q > 0.0), b_q * (b_log_q - b_log_m), 0.0), axis=0)
+                b_q = tl.exp2(b_log_q)
+                b_log_m = _log2_m(b_log_p, b_log_q, log2_beta, log2_one_minus_beta, FAST_LOG)
+                acc_pm += b_p * (b_log_p - b_log_m)
+                acc_qm += b_q * (b_log_q - b_log_m)
+        div = tl.sum(acc_pm, axis=0)
         if DIVERGENCE == JSD:
-            div = beta * kl_pm + (1.0 - beta) * kl_qm
+            kl_qm = tl.sum(acc_qm, axis=0)
+            div = beta * div + (1.0 - beta) * kl_qm
 
     w = 1.0
     if HAS_WEIGHTS:
@@ -210,34 +239,43 @@ def _fused_linear_divergence_fwd_kernel(
 
     if COMPUTE_GRAD:
         # Pass 3: d (grad_scale w_t l_t) / d r_v, written over the student's row it was computed from.
+        # The log-probability gradients are in bits: ln 2 turns them to nats.
         coef = grad_scale * w
         coef_div = coef * (1.0 - ce_weight) * inv_temperature
         coef_ce = coef * ce_weight
+        acc_div = tl.zeros([BLOCK_V], dtype=tl.float32)
         for start in range(0, V, BLOCK_V):
-            cols, mask, b_zs, b_ts, b_log_q, b_log_p = _log_probs(
-                s_row, t_row, start, V, m_s, m_t, log_norm_s, log_norm_t, inv_temperature, softcap,
-                teacher_softcap, BLOCK_V, HAS_SOFTCAP, HAS_TEACHER_SOFTCAP)
-            b_q = tl.exp(b_log_q)
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = cols < V
+            b_zs, b_ts, b_zt = _logits(s_row, t_row, cols, mask, softcap, teacher_softcap,
+                                       HAS_SOFTCAP, HAS_TEACHER_SOFTCAP)
+            b_log_q = tl.maximum((b_zs - m_s) * k_tau - log_norm_s, LOG_FLOOR)
+            b_q = tl.exp2(b_log_q)
             if DIVERGENCE == FORWARD_KL:
-                b_p = tl.exp(b_log_p)
-                div += tl.sum(tl.where(mask & (b_p > 0.0), b_p * (b_log_p - b_log_q), 0.0), axis=0)
-                b_g = b_q - b_p
+                b_log_p = tl.maximum((b_zt - m_t) * k_tau - log_norm_t, LOG_FLOOR)
+                b_p = tl.exp2(b_log_p)
+                acc_div += b_p * (b_log_p - b_log_q)
+                b_g = coef_div * (b_q - b_p)
             elif DIVERGENCE == REVERSE_KL:
-                b_g = tl.where(b_q > 0.0, b_q * (b_log_q - b_log_p - div), 0.0)
+                b_log_p = tl.maximum((b_zt - m_t) * k_tau - log_norm_t, LOG_FLOOR)
+                b_g = (coef_div * LN2) * b_q * (b_log_q - b_log_p - div)
             else:
-                b_log_m = _log_m(b_log_p, b_log_q, log_beta, log_one_minus_beta)
-                b_g = tl.where(b_q > 0.0, (1.0 - beta) * b_q * (b_log_q - b_log_m - kl_qm), 0.0)
-            b_g = coef_div * b_g
+                b_log_p = tl.maximum((b_zt - m_t) * k_tau - log_norm_t, LOG_FLOOR)
+                b_log_m = _log2_m(b_log_p, b_log_q, log2_beta, log2_one_minus_beta, FAST_LOG)
+                b_g = (coef_div * (1.0 - beta) * LN2) * b_q * (b_log_q - b_log_m - kl_qm)
             if HAS_CE:
                 # At temperature 1, Q is softmax(z) itself: no second exponential.
                 b_soft = b_q
                 if HAS_TEMPERATURE:
-                    b_soft = tl.exp(b_zs - lse_s)
+                    b_soft = tl.exp2((b_zs - lse_s) * LOG2E)
                 b_g += coef_ce * tl.where(cols == y, b_soft - 1.0, b_soft)
             if HAS_SOFTCAP:
                 b_g *= 1.0 - b_ts * b_ts
             tl.store(s_row + cols, b_g.to(student_ptr.dtype.element_ty), mask=mask)
+        if DIVERGENCE == FORWARD_KL:
+            div = tl.sum(acc_div, axis=0)
 
+    div = div * LN2
     loss = (1.0 - ce_weight) * div + ce_weight * ce
     tl.store(values_ptr + row * 4, loss * w)
     tl.store(values_ptr + row * 4 + 1, div * w)
@@ -251,12 +289,12 @@ def _row_kernel_config(vocab: int) -> tuple[int, int]:
     """(BLOCK_V, num_warps) of the row kernel: 2048 columns over 4 warps.
 
     A quarter of the cross-entropy kernel's block (8192 columns over 8 warps, timed in
-    `cross_entropy.py`), for the values a block keeps live here: two rows and their log-probabilities
-    (and log M). On an H100 (docs/PERF.md, 2026-11-28) 2048 over 4 warps was the fastest of eight
-    launches in five of six cases (JSD and forward KL at the three shapes of `bench kernels`; in
-    the sixth 2048 over 8 warps was 3% faster), 2-9% ahead of 4096 over 8; 8192 columns, near the
-    255-register limit, were the slowest, and one program a row beat fewer programs taking rows in
-    turn.
+    `cross_entropy.py`), for the values a block keeps live here: two rows, their log-probabilities
+    and the running sums. On an H100 (docs/PERF.md, 2026-11-28) 2048 over 4 warps was the fastest of
+    eight launches in five of six cases for the kernel of then; on an H200 (2026-11-29) an earlier
+    form of the kernel of now ran within 10% of the best of five launches at 2048 over 4, the best varying by vocabulary
+    and divergence (1024 over 4, 2048 over 8), and one program a row beat fewer programs taking rows
+    in turn.
     """
     block_v = min(triton.next_power_of_2(vocab), 2048)
     return block_v, 4
@@ -294,8 +332,8 @@ def divergence_chunk(
         float(grad_scale),
         1.0 / float(options.temperature),
         beta,
-        math.log(beta),
-        math.log1p(-beta),
+        math.log2(beta),
+        math.log1p(-beta) / math.log(2.0),
         ce_weight,
         softcap,
         teacher_softcap,
@@ -306,6 +344,7 @@ def divergence_chunk(
         HAS_SOFTCAP=options.softcap is not None,
         HAS_TEACHER_SOFTCAP=options.teacher_softcap is not None,
         COMPUTE_GRAD=compute_grad,
+        FAST_LOG=student.is_cuda,
         BLOCK_V=block_v,
         num_warps=num_warps,
     )

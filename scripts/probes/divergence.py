@@ -16,9 +16,9 @@ For each of `bench kernels`' three distillation shapes (bf16, 10% of the rows ig
     chunked GEMMs  the fused loss's GEMMs alone, chunk by chunk as its loop runs them (both logits,
                    grad_h, grad_W written by the first chunk and accumulated by the others), over
                    the supervised rows, without the row kernel
-    row kernel     the row kernel alone over one 1 GiB chunk of random logits, times the number of
-                   chunks; with the bytes it moves (passes x two bf16 rows read, one written) and
-                   the bandwidth that makes
+    row kernel     the row kernel alone over one 1 GiB chunk of random logits (restored before each
+                   call, untimed), times the number of chunks; with the bytes it moves (passes x
+                   two bf16 rows read, one written) and the bandwidth that makes
 
 so that fused ~ chunked GEMMs + row kernel, and the floor's distance splits into the chunking's
 share and the row kernel's.
@@ -76,16 +76,22 @@ def chunked_gemms(x: dict[str, torch.Tensor], rows: torch.Tensor, chunk: int):
 
 
 def row_kernel_alone(rows: int, vocab: int, divergence: str, device: torch.device):
-    """One chunk of the row kernel over random logits, with a gradient."""
+    """One chunk of the row kernel over random logits, with a gradient: the call, and what restores
+    the student's logits that it overwrites (to run before each call, untimed)."""
     gen = torch.Generator(device=device).manual_seed(0)
-    student = torch.randn(rows, vocab, generator=gen, device=device).to(torch.bfloat16)
+    logits = torch.randn(rows, vocab, generator=gen, device=device).to(torch.bfloat16)
+    student = torch.empty_like(logits)
     teacher = torch.randn(rows, vocab, generator=gen, device=device).to(torch.bfloat16)
     targets = torch.randint(0, vocab, (rows,), generator=gen, device=device)
     values = torch.empty(rows, 4, dtype=torch.float32, device=device)
     correct = torch.empty(rows, 2, dtype=torch.int32, device=device)
     options = DivergenceOptions(divergence=divergence, beta=JSD_BETA, reduction="mean")
-    return lambda: row_kernel.divergence_chunk(student, teacher, targets, None, values, correct, options=options,
-                                               grad_scale=1.0 / rows, compute_grad=True)
+
+    def run() -> None:
+        row_kernel.divergence_chunk(student, teacher, targets, None, values, correct, options=options,
+                                    grad_scale=1.0 / rows, compute_grad=True)
+
+    return run, lambda: student.copy_(logits)
 
 
 LAUNCHES = [(1024, 2), (1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16)]
@@ -97,11 +103,11 @@ def launches(rows: int, vocab: int, divergence: str, device: torch.device) -> No
     original = row_kernel._row_kernel_config
     default = original(vocab)
     moved = ROW_TRANSFERS[divergence] * rows * vocab * 2
-    run = row_kernel_alone(rows, vocab, divergence, device)
+    run, restore = row_kernel_alone(rows, vocab, divergence, device)
     try:
         for launch in [default, *(c for c in LAUNCHES if c != default)]:
             row_kernel._row_kernel_config = lambda vocab, launch=launch: launch
-            ms = measure(run, device=device, warmup=2, repeats=10, memory=False).median_ms
+            ms = measure(run, device=device, warmup=2, repeats=10, memory=False, before_each=restore).median_ms
             label = f"BLOCK_V {launch[0]}, {launch[1]} warps" + (" (default)" if launch == default else "")
             print(f"  row kernel, {label:<30} {ms:6.2f} ms a chunk of {rows} rows, {moved / ms / 1e6:,.0f} GB/s")
     finally:
@@ -130,8 +136,8 @@ def split(problem, dims: dict[str, int], divergence: str, time, floor_ms: float,
     gemm_ms = time(chunked_gemms(x, rows, chunk)).median_ms
     print(f"  chunked GEMMs, 1 GiB chunks        {gemm_ms:9.2f} ms  {gemm_ms / floor_ms:5.3f}x floor  "
           f"+{gemm_ms - floor_ms:5.2f} ms")
-    one = measure(row_kernel_alone(chunk, vocab, divergence, device), device=device, warmup=2,
-                  repeats=10, memory=False).median_ms
+    run, restore = row_kernel_alone(chunk, vocab, divergence, device)
+    one = measure(run, device=device, warmup=2, repeats=10, memory=False, before_each=restore).median_ms
     chunks = rows.numel() / chunk
     moved = ROW_TRANSFERS[divergence] * chunk * vocab * 2
     print(f"  row kernel, {chunks:.2f} chunks of {chunk} rows {one * chunks:9.2f} ms  "

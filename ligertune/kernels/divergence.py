@@ -291,10 +291,10 @@ def _row_kernel_config(vocab: int) -> tuple[int, int]:
     A quarter of the cross-entropy kernel's block (8192 columns over 8 warps, timed in
     `cross_entropy.py`), for the values a block keeps live here: two rows, their log-probabilities
     and the running sums. On an H100 (docs/PERF.md, 2026-11-28) 2048 over 4 warps was the fastest of
-    eight launches in five of six cases for the kernel of then; on an H200 (2026-11-29) an earlier
-    form of the kernel of now ran within 10% of the best of five launches at 2048 over 4, the best varying by vocabulary
-    and divergence (1024 over 4, 2048 over 8), and one program a row beat fewer programs taking rows
-    in turn.
+    eight launches in five of six cases for the kernel of then. On an H200 (2026-11-29) an earlier
+    form of this kernel ran within 10% of the best of five launches at 2048 over 4, the best varying
+    by vocabulary and divergence (1024 over 4, 2048 or 4096 over 8); one program a row beat fewer
+    programs taking rows in turn.
     """
     block_v = min(triton.next_power_of_2(vocab), 2048)
     return block_v, 4

@@ -16,9 +16,10 @@ For each of `bench kernels`' three distillation shapes (bf16, 10% of the rows ig
     chunked GEMMs  the fused loss's GEMMs alone, chunk by chunk as its loop runs them (both logits,
                    grad_h, grad_W written by the first chunk and accumulated by the others), over
                    the supervised rows, without the row kernel
-    row kernel     the row kernel alone over one 1 GiB chunk of random logits (restored before each
-                   call, untimed), times the number of chunks; with the bytes it moves (passes x
-                   two bf16 rows read, one written) and the bandwidth that makes
+    row kernel     the row kernel alone over one 1 GiB chunk of random logits, and over the
+                   problem's own first chunk (the student's restored before each call, untimed),
+                   times the number of chunks; with the bytes it moves (passes x two bf16 rows
+                   read, one written) and the bandwidth that makes
 
 so that fused ~ chunked GEMMs + row kernel, and the floor's distance splits into the chunking's
 share and the row kernel's.
@@ -75,14 +76,19 @@ def chunked_gemms(x: dict[str, torch.Tensor], rows: torch.Tensor, chunk: int):
     return run
 
 
-def row_kernel_alone(rows: int, vocab: int, divergence: str, device: torch.device):
-    """One chunk of the row kernel over random logits, with a gradient: the call, and what restores
-    the student's logits that it overwrites (to run before each call, untimed)."""
-    gen = torch.Generator(device=device).manual_seed(0)
-    logits = torch.randn(rows, vocab, generator=gen, device=device).to(torch.bfloat16)
+def row_kernel_alone(rows: int, vocab: int, divergence: str, device: torch.device,
+                     given: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+    """One chunk of the row kernel, with a gradient, over random logits or the `given` student's
+    logits, teacher's logits and targets: the call, and what restores the student's logits that it
+    overwrites (to run before each call, untimed)."""
+    if given is None:
+        gen = torch.Generator(device=device).manual_seed(0)
+        logits = torch.randn(rows, vocab, generator=gen, device=device).to(torch.bfloat16)
+        teacher = torch.randn(rows, vocab, generator=gen, device=device).to(torch.bfloat16)
+        targets = torch.randint(0, vocab, (rows,), generator=gen, device=device)
+    else:
+        logits, teacher, targets = given
     student = torch.empty_like(logits)
-    teacher = torch.randn(rows, vocab, generator=gen, device=device).to(torch.bfloat16)
-    targets = torch.randint(0, vocab, (rows,), generator=gen, device=device)
     values = torch.empty(rows, 4, dtype=torch.float32, device=device)
     correct = torch.empty(rows, 2, dtype=torch.int32, device=device)
     options = DivergenceOptions(divergence=divergence, beta=JSD_BETA, reduction="mean")
@@ -107,7 +113,8 @@ def launches(rows: int, vocab: int, divergence: str, device: torch.device) -> No
     try:
         for launch in [default, *(c for c in LAUNCHES if c != default)]:
             row_kernel._row_kernel_config = lambda vocab, launch=launch: launch
-            ms = measure(run, device=device, warmup=2, repeats=10, memory=False, before_each=restore).median_ms
+            ms = measure(run, device=device, warmup=2, repeats=10, memory=False,
+                         before_each=restore).median_ms
             label = f"BLOCK_V {launch[0]}, {launch[1]} warps" + (" (default)" if launch == default else "")
             print(f"  row kernel, {label:<30} {ms:6.2f} ms a chunk of {rows} rows, {moved / ms / 1e6:,.0f} GB/s")
     finally:
@@ -136,12 +143,17 @@ def split(problem, dims: dict[str, int], divergence: str, time, floor_ms: float,
     gemm_ms = time(chunked_gemms(x, rows, chunk)).median_ms
     print(f"  chunked GEMMs, 1 GiB chunks        {gemm_ms:9.2f} ms  {gemm_ms / floor_ms:5.3f}x floor  "
           f"+{gemm_ms - floor_ms:5.2f} ms")
-    run, restore = row_kernel_alone(chunk, vocab, divergence, device)
-    one = measure(run, device=device, warmup=2, repeats=10, memory=False, before_each=restore).median_ms
+    first = rows[:chunk]
+    with torch.no_grad():
+        own = (x["hidden"][first] @ x["weight"].t(), x["teacher_hidden"][first] @ x["teacher_weight"].t(),
+               x["targets"][first])
     chunks = rows.numel() / chunk
     moved = ROW_TRANSFERS[divergence] * chunk * vocab * 2
-    print(f"  row kernel, {chunks:.2f} chunks of {chunk} rows {one * chunks:9.2f} ms  "
-          f"({one:.2f} ms a chunk, {moved / 1e9:.2f} GB at {moved / one / 1e6:,.0f} GB/s)")
+    for label, given in (("random logits", None), ("the problem's first chunk", own)):
+        run, restore = row_kernel_alone(chunk, vocab, divergence, device, given)
+        one = measure(run, device=device, warmup=2, repeats=10, memory=False, before_each=restore).median_ms
+        print(f"  row kernel, {chunks:.2f} chunks of {chunk} rows, {label} {one * chunks:9.2f} ms  "
+              f"({one:.2f} ms a chunk, {moved / 1e9:.2f} GB at {moved / one / 1e6:,.0f} GB/s)")
 
 
 def main() -> None:

@@ -66,8 +66,8 @@ LOG_FLOOR: tl.constexpr = tl.constexpr(-1e30)
 
 @triton.jit
 def _log2(x, FAST: tl.constexpr):
-    """log2 x: the hardware's approximate log2 on a GPU (`tl.log2` is a longer, exact libm call);
-    `tl.log2` where the interpreter runs the kernel."""
+    """log2 x: the hardware's approximate log2 on a GPU, one instruction (`tl.log` compiles to a longer
+    sequence there: docs/PERF.md, 2026-11-29); `tl.log2` where the interpreter runs the kernel."""
     if FAST:
         return libdevice.fast_log2f(x)
     else:
@@ -94,7 +94,8 @@ def _logits(s_row, t_row, cols, mask, softcap, teacher_softcap, HAS_SOFTCAP: tl.
 @triton.jit
 def _log2_m(log_p, log_q, log2_beta, log2_one_minus_beta, FAST: tl.constexpr):
     """log2 M, M = beta P + (1 - beta) Q, as the log-sum-exp of log2 beta + log2 P and
-    log2(1 - beta) + log2 Q: M itself may underflow, and where P = Q this is log2 Q to the last bit."""
+    log2(1 - beta) + log2 Q: M itself may underflow, and where P = Q this gives back log2 Q (to the
+    last bit at beta 0.5), so that the divergence of a teacher from itself is 0."""
     a = log_p + log2_beta
     b = log_q + log2_one_minus_beta
     return tl.maximum(a, b) + _log2(1.0 + tl.exp2(-tl.abs(a - b)), FAST)

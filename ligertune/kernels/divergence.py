@@ -92,6 +92,13 @@ def _logits(s_row, t_row, cols, mask, softcap, teacher_softcap, HAS_SOFTCAP: tl.
 
 
 @triton.jit
+def _log2_probs(b_z, m, log_norm, k_tau):
+    """log2 of the softmax at the temperature, (z - m) k_tau - log_norm with pass 1's max and
+    log2-normalizer, clamped at LOG_FLOOR (a logit of -inf: 0 log 0 = 0 in the sums)."""
+    return tl.maximum((b_z - m) * k_tau - log_norm, LOG_FLOOR)
+
+
+@triton.jit
 def _log2_m(log_p, log_q, log2_beta, log2_one_minus_beta, FAST: tl.constexpr):
     """log2 M, M = beta P + (1 - beta) Q, as the log-sum-exp of log2 beta + log2 P and
     log2(1 - beta) + log2 Q: M itself may underflow, and where P = Q this gives back log2 Q (to the
@@ -166,8 +173,7 @@ def _fused_linear_divergence_fwd_kernel(
         # lowest column, as torch.argmax does. A new max is rare after the first blocks.
         if b_max_s > m_s:
             argmax_s = tl.min(tl.where(b_zs == b_max_s, cols, V), axis=0)
-            scale = tl.exp2((m_s - b_max_s) * LOG2E)
-            acc_s *= scale
+            acc_s *= tl.exp2((m_s - b_max_s) * LOG2E)
             if HAS_TEMPERATURE:
                 acc_tau_s *= tl.exp2((m_s - b_max_s) * k_tau)
             if DIVERGENCE == REVERSE_KL:
@@ -219,8 +225,8 @@ def _fused_linear_divergence_fwd_kernel(
             cols = start + tl.arange(0, BLOCK_V)
             b_zs, b_ts, b_zt = _logits(s_row, t_row, cols, cols < V, softcap, teacher_softcap,
                                        HAS_SOFTCAP, HAS_TEACHER_SOFTCAP)
-            b_log_q = tl.maximum((b_zs - m_s) * k_tau - log_norm_s, LOG_FLOOR)
-            b_log_p = tl.maximum((b_zt - m_t) * k_tau - log_norm_t, LOG_FLOOR)
+            b_log_q = _log2_probs(b_zs, m_s, log_norm_s, k_tau)
+            b_log_p = _log2_probs(b_zt, m_t, log_norm_t, k_tau)
             b_p = tl.exp2(b_log_p)
             if DIVERGENCE == FORWARD_KL:
                 acc_pm += b_p * (b_log_p - b_log_q)
@@ -250,18 +256,16 @@ def _fused_linear_divergence_fwd_kernel(
             mask = cols < V
             b_zs, b_ts, b_zt = _logits(s_row, t_row, cols, mask, softcap, teacher_softcap,
                                        HAS_SOFTCAP, HAS_TEACHER_SOFTCAP)
-            b_log_q = tl.maximum((b_zs - m_s) * k_tau - log_norm_s, LOG_FLOOR)
+            b_log_q = _log2_probs(b_zs, m_s, log_norm_s, k_tau)
+            b_log_p = _log2_probs(b_zt, m_t, log_norm_t, k_tau)
             b_q = tl.exp2(b_log_q)
             if DIVERGENCE == FORWARD_KL:
-                b_log_p = tl.maximum((b_zt - m_t) * k_tau - log_norm_t, LOG_FLOOR)
                 b_p = tl.exp2(b_log_p)
                 acc_div += b_p * (b_log_p - b_log_q)
                 b_g = coef_div * (b_q - b_p)
             elif DIVERGENCE == REVERSE_KL:
-                b_log_p = tl.maximum((b_zt - m_t) * k_tau - log_norm_t, LOG_FLOOR)
                 b_g = (coef_div * LN2) * b_q * (b_log_q - b_log_p - div)
             else:
-                b_log_p = tl.maximum((b_zt - m_t) * k_tau - log_norm_t, LOG_FLOOR)
                 b_log_m = _log2_m(b_log_p, b_log_q, log2_beta, log2_one_minus_beta, FAST_LOG)
                 b_g = (coef_div * (1.0 - beta) * LN2) * b_q * (b_log_q - b_log_m - kl_qm)
             if HAS_CE:

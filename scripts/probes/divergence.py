@@ -19,10 +19,15 @@ For each of `bench kernels`' three distillation shapes (bf16, 10% of the rows ig
     row kernel     the row kernel alone over one 1 GiB chunk of random logits, and over the
                    problem's own first chunk (the student's restored before each call, untimed),
                    times the number of chunks; with the bytes it moves (passes x two bf16 rows
-                   read, one written) and the bandwidth that makes
+                   read, one written) and the bandwidth that makes. The own chunk is timed twice:
+                   as it is, and with the chunk's two logits GEMMs run (untimed) before each call,
+                   as in the loss. Under the GEMMs' power draw an H200 lowers its SM clock (1980
+                   to about 1470 MHz) and the kernel slows with it (docs/PERF.md, 2026-11-29,
+                   thirteenth run); run right after the loss's timings, the other two rows may
+                   already find the clock lowered.
 
-so that fused ~ chunked GEMMs + row kernel, and the floor's distance splits into the chunking's
-share and the row kernel's.
+so that fused ~ chunked GEMMs + row kernel (after GEMMs), and the floor's distance splits into the
+chunking's share and the row kernel's.
 
 `--configs` times the row kernel alone under other launches (`LAUNCHES`: BLOCK_V columns a loop
 step, warps a program; fewer registers a thread let more programs share an SM) against the default
@@ -144,14 +149,23 @@ def split(problem, dims: dict[str, int], divergence: str, time, floor_ms: float,
     print(f"  chunked GEMMs, 1 GiB chunks        {gemm_ms:9.2f} ms  {gemm_ms / floor_ms:5.3f}x floor  "
           f"+{gemm_ms - floor_ms:5.2f} ms")
     first = rows[:chunk]
+    h_c, ht_c = x["hidden"][first].detach(), x["teacher_hidden"][first]
     with torch.no_grad():
-        own = (x["hidden"][first] @ x["weight"].t(), x["teacher_hidden"][first] @ x["teacher_weight"].t(),
-               x["targets"][first])
+        own = (h_c @ x["weight"].t(), ht_c @ x["teacher_weight"].t(), x["targets"][first])
+
+    def gemms() -> None:
+        # The chunk's two logits products, as the loss runs them before the kernel: the same values again.
+        with torch.no_grad():
+            torch.mm(h_c, x["weight"].t(), out=own[0])
+            torch.mm(ht_c, x["teacher_weight"].t(), out=own[1])
+
     chunks = rows.numel() / chunk
     moved = ROW_TRANSFERS[divergence] * chunk * vocab * 2
-    for label, given in (("random logits", None), ("the problem's first chunk", own)):
+    for label, given, after_gemms in (("random logits", None, False), ("the problem's first chunk", own, False),
+                                      ("the same, after its GEMMs", own, True)):
         run, restore = row_kernel_alone(chunk, vocab, divergence, device, given)
-        one = measure(run, device=device, warmup=2, repeats=10, memory=False, before_each=restore).median_ms
+        before = (lambda restore=restore: (gemms(), restore())) if after_gemms else restore
+        one = measure(run, device=device, warmup=2, repeats=10, memory=False, before_each=before).median_ms
         print(f"  row kernel, {chunks:.2f} chunks of {chunk} rows, {label} {one * chunks:9.2f} ms  "
               f"({one:.2f} ms a chunk, {moved / 1e9:.2f} GB at {moved / one / 1e6:,.0f} GB/s)")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
@@ -15,11 +17,10 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     get_base = getattr(model, "get_base_model", None)  # peft.PeftModel
     if callable(get_base):
         return get_base()
-    try:
-        from peft.tuners.tuners_utils import BaseTuner  # a tuner (LoraModel) used without PeftModel
-    except ImportError:
-        return model
-    if isinstance(model, BaseTuner):
+    # A tuner (LoraModel) used without PeftModel. Only a process that imported peft can hold one, and
+    # importing it here would cost every other run seconds.
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    if tuners is not None and isinstance(model, tuners.BaseTuner):
         return model.model
     return model
 

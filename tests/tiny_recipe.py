@@ -37,7 +37,7 @@ def write_recipe(folder: Path, n_train: int = 48, n_eval: int = 8, **sections) -
         "data": {"path": "train.jsonl", "eval_path": "eval.jsonl", "max_seq_len": 256, "cache_dir": None},
         "optim": {"lr": 3e-3, "warmup_steps": 1},
         "train": {"max_steps": 3, "micro_batch_size": 2, "grad_accum_steps": 2, "eval_every": 3},
-        "output": {"dir": str(folder / "run")},
+        "output": {"dir": str(folder / "run"), "plot": False},  # tests that plot say so
     }
     for section, values in sections.items():
         if values is None:
@@ -101,7 +101,7 @@ def write_preference_recipe(folder: Path, n_train: int = 32, n_eval: int = 8, ma
         "optim": {"lr": 3e-3, "warmup_steps": 0},
         "train": {"max_steps": 3, "micro_batch_size": 2, "grad_accum_steps": 2, "eval_every": None,
                   "eval_at_start": False},
-        "output": {"dir": str(folder / "run")},
+        "output": {"dir": str(folder / "run"), "plot": False},  # tests that plot say so
     }
     for section, values in sections.items():
         recipe.setdefault(section, {}).update(values)

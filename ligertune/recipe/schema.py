@@ -863,6 +863,10 @@ class OutputConfig:
         "(offline unless logged in); each needs its extra: pip install 'ligertune[tensorboard]'.",
         factory=list,
     )
+    plot: bool = _field(
+        True, "At the end of the run, draw `loss.png` in `dir` from metrics.jsonl (with matplotlib, the "
+        "`plot` extra; without it, nothing). `ligertune plot DIR` draws it at any time."
+    )
 
     def check(self) -> list[tuple[str, str]]:
         if not self.dir.strip():

@@ -500,7 +500,8 @@ def finish(run: Run) -> TrainResult:
     final_dir = save_final(run)
     # A sharded model cannot generate on one rank; the sample is for single-process runs.
     sample = greedy_sample(run) if run.data.eval_examples and not run.topology.distributed else None
-    run.out.plot()
+    if run.recipe.output.plot:
+        run.out.plot()
     state = run.state
     result = TrainResult(run.output_dir, final_dir, state.step, state.last_loss, state.eval_losses, sample,
                          skipped_steps=state.skipped_steps, spikes=state.spikes)

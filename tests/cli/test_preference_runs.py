@@ -36,7 +36,7 @@ def test_a_lora_dpo_run_reports_merges_and_chats(tmp_path: Path):
 
     path = write_preference_recipe(tmp_path, lora=LORA, optim={"lr": 1e-2},
                                    train={"max_steps": 4, "eval_every": 2, "spike_threshold": 6.0},
-                                   output={"report_to": ["tensorboard"]})
+                                   output={"report_to": ["tensorboard"], "plot": True})
     invoke("train", path)
     run = tmp_path / "run"
     records = read_metrics(run / "metrics.jsonl")

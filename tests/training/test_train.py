@@ -49,6 +49,7 @@ def test_training_writes_metrics_and_a_model_that_reloads(tiny_recipe: Path):
     assert (out / "recipe.yaml").exists()
     assert load_recipe(out / "recipe.yaml") == state.recipe
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary dirs left
+    assert not (out / "loss.png").exists()  # the tiny recipe says output.plot: false
 
     reloaded = AutoModelForCausalLM.from_pretrained(result.final_dir)
     ids = torch.tensor([state.eval_examples[0].input_ids])
@@ -126,7 +127,7 @@ def test_a_run_sends_its_metrics_to_tensorboard_and_draws_its_loss(tmp_path: Pat
     pytest.importorskip("matplotlib")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    path = write_recipe(tmp_path, output={"report_to": ["tensorboard"]})
+    path = write_recipe(tmp_path, output={"report_to": ["tensorboard"], "plot": True})
     state, _ = run(path)
     out = Path(state.recipe.output.dir)
     assert (out / "loss.png").stat().st_size > 0

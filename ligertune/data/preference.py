@@ -719,8 +719,13 @@ class PreferencePack:
 
     @property
     def position_ids(self) -> list[int]:
-        return [i for p, lens in zip(self.prompt_lens, self.answer_lens)
-                for i in [*range(p), *(p + j for n in lens for j in range(n))]]
+        """Every unit's positions: its prompt's from 0, each of its answers' on from the prompt's end."""
+        out: list[int] = []
+        for p, lens in zip(self.prompt_lens, self.answer_lens):
+            out += range(p)
+            for n in lens:
+                out += range(p, p + n)
+        return out
 
     @property
     def num_answers(self) -> int:

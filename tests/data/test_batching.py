@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ligertune.data import IGNORE_INDEX, TokenizedExample, collate, collate_padded, pack, packs_of_one
+from ligertune.data.batching import host_tensor
 from ligertune.data.packing import make_pack
 
 _ = IGNORE_INDEX
@@ -31,6 +32,19 @@ def test_collate_flattens_packs_into_one_row():
     assert batch.seq_ids.shape == (12,) and batch.seq_ids.dtype == torch.int64
     assert batch.seq_ids.tolist() == [0] * 5 + [1] * 4 + [2] * 3
     assert (batch.num_tokens, batch.num_sequences) == (12, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_host_tensor_holds_the_values_in_the_dtype_asked(dtype):
+    values = [True, False, True] if dtype == torch.bool else [0, -100, 2**31 - 1, 7]
+    if dtype == torch.int64:
+        values.append(2**40)
+    got = host_tensor(iter(values), dtype)
+    assert got.dtype == dtype and got.shape == (len(values),)
+    assert got.tolist() == values
+    assert got.tolist() == torch.tensor(values, dtype=dtype).tolist()
+    empty = host_tensor([], dtype)
+    assert empty.dtype == dtype and empty.shape == (0,)
 
 
 def test_padded_reference_holds_the_same_tokens_per_conversation():

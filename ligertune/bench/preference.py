@@ -12,9 +12,11 @@ mismatched completion, the next example's (`synthetic_kto`), desirable and undes
                               `train.micro_batch_size` packs, each step `train_step(run, batches)`.
                               With `objective.reference: precomputed` (dpo, ipo and kto's default)
                               the reference pass of `train` (`compute_reference_logps`: one pack per
-                              forward, no gradient) is timed on its own over the same pairs, and
-                              its time is added to the step's: it serves each pair once, as the
-                              step does. `live` scores the reference inside the step.
+                              forward, no gradient) is timed on its own over the same pairs (repeated
+                              to at least `REFERENCE_PASS_PACKS` packs a pass, as `train` runs it once
+                              over all of its packs, then divided down to the step's), and its time
+                              is added to the step's: it serves each pair once, as the step does.
+                              `live` scores the reference inside the step.
     TRL DPOTrainer            TRL's trainer on the same model (sdpa attention) and the same pairs as
                               a `datasets.Dataset` of token ids: sigmoid loss (ipo: its ipo loss),
                               the recipe's beta, gradient checkpointing as the recipe, fused AdamW,
@@ -72,6 +74,8 @@ TRL_LIGER = "TRL DPOTrainer + Liger"
 TRL_KTO = "TRL KTOTrainer"
 TRL_KTO_LIGER = "TRL KTOTrainer + Liger"
 TRL_LOSSES = {"dpo": "sigmoid", "ipo": "ipo", "kto": "kto"}
+REFERENCE_PASS_PACKS = 16
+"""The fewest packs a timed reference pass runs over (`PreferenceStepBench._reference_ms`)."""
 """The objectives TRL's DPOTrainer (kto: KTOTrainer) runs, and its `loss_type` for each."""
 
 
@@ -212,17 +216,24 @@ class PreferenceStepBench(StepBench):
             unpatch_model(model)
 
     def _reference_ms(self, run, packs: list[PreferencePack]) -> float:
-        """Median time of `train`'s reference pass over the step's packs (`steps` timed passes)."""
+        """Median time of `train`'s reference pass, per the step's packs (`steps` timed passes).
+
+        `train` runs the pass once over all its packs, so the pass's start (the first pack collated
+        while the device waits) and its end (every value read back) come once a run, not once a step:
+        each timed pass runs over the step's packs repeated to at least `REFERENCE_PASS_PACKS`, and
+        its time is divided by the repeats.
+        """
         from ligertune.objectives.reference import compute_reference_logps
 
-        copies = [dataclasses.replace(p, reference_logps=None) for p in packs]
+        repeats = -(-REFERENCE_PASS_PACKS // len(packs))
+        copies = [dataclasses.replace(p, reference_logps=None) for p in packs * repeats]
         times = []
         for _ in range(self.config.steps):
             synchronize(self.device)
             start = time.perf_counter()
             compute_reference_logps(run.engine, copies, self.device)
             synchronize(self.device)
-            times.append((time.perf_counter() - start) * 1e3)
+            times.append((time.perf_counter() - start) * 1e3 / repeats)
         return statistics.median(times)
 
     # ---- TRL

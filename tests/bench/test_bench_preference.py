@@ -11,6 +11,7 @@ from tiny_recipe import QUICKSTART
 from typer.testing import CliRunner
 
 from ligertune.bench import preference as bench_preference
+from ligertune.bench.preference import REFERENCE_PASS_PACKS
 from ligertune.bench.peers import Peer
 from ligertune.bench.step import StepBenchConfig, run_step_bench
 from ligertune.bench.synthetic import synthetic_kto
@@ -84,9 +85,11 @@ def test_dpo_recipe_is_timed_in_pairs_with_its_reference_pass(tmp_path, no_peers
     for name in ("TRL DPOTrainer", "TRL DPOTrainer + Liger"):
         assert rows[name]["status"] == "not installed"
     # one untimed step and two timed ones, all on the same one micro-batch of two packs; the reference pass
-    # once before them (as `train` runs it) and twice timed, over both packs
+    # once before them over both packs (as `train` runs it), and twice timed, over both packs repeated to
+    # REFERENCE_PASS_PACKS (as `train` runs it over all of its packs)
     assert len(steps) == 3 and all(len(b) == 1 and b[0].num_units == 2 for b in steps)
-    assert len(passes) == 3 and all(len(p) == 2 for p in passes)
+    assert [len(p) for p in passes] == [2, REFERENCE_PASS_PACKS, REFERENCE_PASS_PACKS]
+    assert [p.input_ids for p in passes[1]] == [p.input_ids for p in passes[0]] * (REFERENCE_PASS_PACKS // 2)
     assert "2 pairs a step, each a prompt of 32 tokens and two answers of 16" in result.output
     assert "pairs/s" in result.output and "TRL DPOTrainer: not installed" in result.output
 

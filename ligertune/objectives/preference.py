@@ -318,7 +318,7 @@ def step_pair_weights(counts: Sequence[int | torch.Tensor], *, across_ranks: boo
     sizes = [int(c) for c in counts]
     if device is None:
         device = next((c.device for c in counts if isinstance(c, torch.Tensor)), torch.device("cpu"))
-    total = torch.tensor(sum(sizes), dtype=torch.int64, device=device)
+    total = torch.full((), sum(sizes), dtype=torch.int64, device=device)  # a fill: a copy would wait
     if across_ranks:
         total = _global_sum(total)
     scale = 1.0 / total.clamp(min=1).float()
@@ -375,6 +375,7 @@ class PreferenceBatch(Protocol):
     reference_logps: [A] float32, the reference model's sums of log p over the same scored tokens
         (None for SimPO and ORPO).
     kl_estimate: KTO: the step's z0, a scalar, set by `Preference.prepare_step` (None before).
+    num_units: P, on the host.
     kto_parts(): KTO: (the batch with the completions only, the batch with the mismatched
         completions only), each unit keeping its prompt (`data.PreferenceBatch.kto_parts`).
 
@@ -392,6 +393,9 @@ class PreferenceBatch(Protocol):
     answer_mismatched: torch.Tensor
     reference_logps: torch.Tensor | None
     kl_estimate: torch.Tensor | None
+
+    @property
+    def num_units(self) -> int: ...
 
     def kto_parts(self) -> tuple[PreferenceBatch, PreferenceBatch | None]: ...
 
@@ -415,8 +419,8 @@ def score(engine: AnswerScorer, batch: PreferenceBatch) -> AnswerLogps:
 
 
 def num_pairs(batch: PreferenceBatch) -> int:
-    """The pairs (KTO: examples) of a micro-batch."""
-    return int(batch.answer_pair.max()) + 1 if batch.answer_pair.numel() else 0
+    """The pairs (KTO: examples) of a micro-batch, known on the host."""
+    return batch.num_units
 
 
 class Preference:
@@ -574,11 +578,12 @@ class Preference:
 
 def pair_answers(answer_pair: torch.Tensor, answer_chosen: torch.Tensor, n_pairs: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chosen and the rejected answer of each pair 0 .. n_pairs-1, as [P] answer indices."""
+    """The chosen and the rejected answer of each pair 0 .. n_pairs-1, as [P] answer indices (-1 where
+    a pair has none). Each pair's largest index among its answers of that side: no boolean selection,
+    whose size the host would wait on the device to learn."""
     answers = torch.arange(answer_pair.numel(), device=answer_pair.device)
     is_chosen = answer_chosen.to(torch.bool)
-    chosen = torch.full((n_pairs,), -1, dtype=torch.long, device=answer_pair.device)
-    rejected = chosen.clone()
-    chosen.scatter_(0, answer_pair[is_chosen], answers[is_chosen])
-    rejected.scatter_(0, answer_pair[~is_chosen], answers[~is_chosen])
+    none = torch.full((n_pairs,), -1, dtype=torch.long, device=answer_pair.device)
+    chosen = none.scatter_reduce(0, answer_pair, torch.where(is_chosen, answers, -1), reduce="amax")
+    rejected = none.scatter_reduce(0, answer_pair, torch.where(is_chosen, -1, answers), reduce="amax")
     return chosen, rejected

@@ -118,6 +118,14 @@ def squared_lengths(batch: Batch | PaddedBatch) -> int | torch.Tensor:
     return batch.attention_mask.sum(dim=1).square().sum()
 
 
+def device_count(count: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A count on `device`; one from the host by a fill, not a copy: a copy from the host's pageable
+    memory would wait for the work queued on the device."""
+    if isinstance(count, torch.Tensor):
+        return count.to(device)
+    return torch.full((), count, dtype=torch.int64, device=device)
+
+
 # --------------------------------------------------------------------------------------------------
 # the step
 
@@ -160,8 +168,8 @@ def train_step(run: Run, batches: list[Batch | PaddedBatch]) -> StepStats:
         lr = run.scheduler.get_last_lr()[0]
         names = run.objective.sums
         trained = [trained_part(b) for b in batches]
-        counts = [torch.as_tensor(sum(real_tokens(b) for b in trained), device=run.device),
-                  torch.as_tensor(sum(squared_lengths(b) for b in trained), device=run.device)]
+        counts = [device_count(sum(real_tokens(b) for b in trained), run.device),
+                  device_count(sum(squared_lengths(b) for b in trained), run.device)]
         # The step's numbers summed over the ranks, then one transfer to the host for all of them.
         summed = all_reduce_sum(torch.stack([x.double() for x in [*(totals[k] for k in names), *counts]]))
         numbers = torch.cat([summed, torch.stack([clipped.norm.double(), clipped.tensors.double()]).to(run.device)])

@@ -22,7 +22,9 @@ from ligertune.objectives.preference import (
     ipo_loss,
     kto_loss,
     log1mexp,
+    num_pairs,
     orpo_loss,
+    pair_answers,
     simpo_loss,
     step_pair_weights,
 )
@@ -259,6 +261,23 @@ def test_kto_reference_point_is_clamped_at_zero_and_fixed():
 
 # --------------------------------------------------------------------------------------------------
 # One step loss whatever the batching
+
+
+def test_pair_answers_finds_each_side_of_each_pair_in_any_order():
+    # pairs 0..3; pair 2 lists its rejected answer first, pair 3 has only a chosen one
+    answer_pair = torch.tensor([0, 0, 1, 1, 2, 2, 3])
+    answer_chosen = torch.tensor([True, False, True, False, False, True, True])
+    chosen, rejected = pair_answers(answer_pair, answer_chosen, 4)
+    assert chosen.tolist() == [0, 2, 5, 6]
+    assert rejected.tolist() == [1, 3, 4, -1]
+
+
+def test_num_pairs_is_the_batch_s_units():
+    units = [PreferenceExample(input_ids=[1, 2, 3, 4, 5, 6], labels=[-100, -100, -100, 4, 5, 6], prompt_len=3,
+                               answer_lens=(2, 1)),
+             PreferenceExample(input_ids=[7, 8, 9, 10], labels=[-100, 8, 9, 10], prompt_len=1, answer_lens=(1, 2))]
+    batch = collate_preferences([make_preference_pack(units, [0, 1])])
+    assert num_pairs(batch) == 2 == int(batch.answer_pair.max()) + 1
 
 
 def test_step_pair_weights_count_the_whole_step():

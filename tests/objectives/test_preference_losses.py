@@ -273,9 +273,11 @@ def test_pair_answers_finds_each_side_of_each_pair_in_any_order():
 
 
 def test_num_pairs_is_the_batch_s_units():
-    units = [PreferenceExample(input_ids=[1, 2, 3, 4, 5, 6], labels=[-100, -100, -100, 4, 5, 6], prompt_len=3,
-                               answer_lens=(2, 1)),
-             PreferenceExample(input_ids=[7, 8, 9, 10], labels=[-100, 8, 9, 10], prompt_len=1, answer_lens=(1, 2))]
+    units = [
+        PreferenceExample(input_ids=[1, 2, 3, 4, 5, 6], labels=[-100, -100, -100, 4, 5, 6], prompt_len=3,
+                          answer_lens=(2, 1)),
+        PreferenceExample(input_ids=[7, 8, 9, 10], labels=[-100, 8, 9, 10], prompt_len=1, answer_lens=(1, 2)),
+    ]
     batch = collate_preferences([make_preference_pack(units, [0, 1])])
     assert num_pairs(batch) == 2 == int(batch.answer_pair.max()) + 1
 

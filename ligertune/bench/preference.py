@@ -74,9 +74,9 @@ TRL_LIGER = "TRL DPOTrainer + Liger"
 TRL_KTO = "TRL KTOTrainer"
 TRL_KTO_LIGER = "TRL KTOTrainer + Liger"
 TRL_LOSSES = {"dpo": "sigmoid", "ipo": "ipo", "kto": "kto"}
+"""The objectives TRL's DPOTrainer (kto: KTOTrainer) runs, and its `loss_type` for each."""
 REFERENCE_PASS_PACKS = 16
 """The fewest packs a timed reference pass runs over (`PreferenceStepBench._reference_ms`)."""
-"""The objectives TRL's DPOTrainer (kto: KTOTrainer) runs, and its `loss_type` for each."""
 
 
 @dataclass(frozen=True)

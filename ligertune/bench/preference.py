@@ -208,7 +208,8 @@ class PreferenceStepBench(StepBench):
                 row.reference_ms = self._reference_ms(run, packs)
                 if self.device.type == "cuda":  # the reference pass's peak too
                     row.peak_mem_gib = torch.cuda.max_memory_allocated(self.device) / 2**30
-            row.reference = {"precomputed": "precomputed, its pass timed (ref ms)",
+            row.reference = {"precomputed": f"precomputed, its pass timed (ref ms: passes of at least "
+                                            f"{REFERENCE_PASS_PACKS} packs, per the step's)",
                              "live": "live, in the step"}.get(mode, "none")
             row.checkpointing = checkpointing_of(run)
             return [finish_pair_row(row, self.shape.pairs)]

@@ -375,7 +375,7 @@ class PreferenceBatch(Protocol):
     reference_logps: [A] float32, the reference model's sums of log p over the same scored tokens
         (None for SimPO and ORPO).
     kl_estimate: KTO: the step's z0, a scalar, set by `Preference.prepare_step` (None before).
-    num_units: P, on the host.
+    answer_lens: [U] on the host, a tuple of answer lengths per unit (empty: a unit without answers).
     kto_parts(): KTO: (the batch with the completions only, the batch with the mismatched
         completions only), each unit keeping its prompt (`data.PreferenceBatch.kto_parts`).
 
@@ -393,9 +393,7 @@ class PreferenceBatch(Protocol):
     answer_mismatched: torch.Tensor
     reference_logps: torch.Tensor | None
     kl_estimate: torch.Tensor | None
-
-    @property
-    def num_units(self) -> int: ...
+    answer_lens: list[tuple[int, ...]]
 
     def kto_parts(self) -> tuple[PreferenceBatch, PreferenceBatch | None]: ...
 
@@ -419,8 +417,10 @@ def score(engine: AnswerScorer, batch: PreferenceBatch) -> AnswerLogps:
 
 
 def num_pairs(batch: PreferenceBatch) -> int:
-    """The pairs (KTO: examples) of a micro-batch, known on the host."""
-    return batch.num_units
+    """The pairs (KTO: examples) of a micro-batch: one past the last unit with answers (`answer_pair`
+    numbers the units through the batch; a rank's stand-in pack has one unit and no answer), counted
+    on the host."""
+    return max((u + 1 for u, lens in enumerate(batch.answer_lens) if lens), default=0)
 
 
 class Preference:

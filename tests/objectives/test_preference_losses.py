@@ -28,6 +28,7 @@ from ligertune.objectives.preference import (
     simpo_loss,
     step_pair_weights,
 )
+from ligertune.training.evaluation import without_targets
 
 # --------------------------------------------------------------------------------------------------
 # answer_logps against explicit float64 logits
@@ -272,14 +273,19 @@ def test_pair_answers_finds_each_side_of_each_pair_in_any_order():
     assert rejected.tolist() == [1, 3, 4, -1]
 
 
-def test_num_pairs_is_the_batch_s_units():
+def test_num_pairs_counts_the_units_with_answers():
     units = [
         PreferenceExample(input_ids=[1, 2, 3, 4, 5, 6], labels=[-100, -100, -100, 4, 5, 6], prompt_len=3,
                           answer_lens=(2, 1)),
         PreferenceExample(input_ids=[7, 8, 9, 10], labels=[-100, 8, 9, 10], prompt_len=1, answer_lens=(1, 2)),
     ]
-    batch = collate_preferences([make_preference_pack(units, [0, 1])])
+    pack = make_preference_pack(units, [0, 1])
+    batch = collate_preferences([pack])
     assert num_pairs(batch) == 2 == int(batch.answer_pair.max()) + 1
+    # a rank's stand-in pack in held-out evaluation: a prompt and no answer
+    stand_in = without_targets(pack)
+    assert num_pairs(collate_preferences([stand_in])) == 0
+    assert num_pairs(collate_preferences([pack, stand_in])) == 2
 
 
 def test_step_pair_weights_count_the_whole_step():

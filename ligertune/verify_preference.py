@@ -44,7 +44,7 @@ from ligertune.errors import UserError
 from ligertune.models import decoder_of, load_tokenizer
 from ligertune.numerics import relative_error
 from ligertune.objectives import build_objective
-from ligertune.objectives.preference import AnswerLogps, step_pair_weights
+from ligertune.objectives.preference import AnswerLogps, num_pairs, step_pair_weights
 from ligertune.recipe import Recipe
 from ligertune.training.build import build_head, build_model, build_preference_data, strategy
 from ligertune.verify import (
@@ -229,7 +229,7 @@ def run_candidate(objective, engine, model: torch.nn.Module, micro: list[list[Pr
 
 def local_weights(batches) -> list[torch.Tensor]:
     """1/|P| with the pairs of these micro-batches alone (not summed over the processes)."""
-    return step_pair_weights([int(b.answer_pair.max()) + 1 for b in batches], across_ranks=False,
+    return step_pair_weights([num_pairs(b) for b in batches], across_ranks=False,
                              device=batches[0].answer_pair.device)
 
 
@@ -238,7 +238,7 @@ def per_micro_batch_mean(batches) -> list[torch.Tensor]:
     accumulation bug, which weighs a pair by the size of the micro-batch it landed in."""
     out = []
     for b in batches:
-        n = int(b.answer_pair.max()) + 1
+        n = num_pairs(b)
         out.append(torch.full((n,), 1.0 / (n * len(batches)), device=b.answer_pair.device))
     return out
 

@@ -97,3 +97,11 @@ def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if device.type == "cuda" and tensor.device.type == "cpu":
         tensor = tensor.pin_memory()
     return tensor.to(device, non_blocking=True)
+
+
+def device_count(count: int | torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A count as an int64 tensor on `device`; one from the host by a fill, not a copy: a copy from the
+    host's pageable memory would wait for the work queued on the device."""
+    if isinstance(count, torch.Tensor):
+        return count.to(device)
+    return torch.full((), count, dtype=torch.int64, device=device)

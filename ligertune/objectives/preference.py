@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from ligertune import kernels
+from ligertune.devices import device_count
 from ligertune.kernels import LossOptions
 from ligertune.kernels.types import loss_head_output
 from ligertune.objectives.base import MicroBatchLoss
@@ -318,7 +319,7 @@ def step_pair_weights(counts: Sequence[int | torch.Tensor], *, across_ranks: boo
     sizes = [int(c) for c in counts]
     if device is None:
         device = next((c.device for c in counts if isinstance(c, torch.Tensor)), torch.device("cpu"))
-    total = torch.full((), sum(sizes), dtype=torch.int64, device=device)  # a fill: a copy would wait
+    total = device_count(sum(sizes), device)
     if across_ranks:
         total = _global_sum(total)
     scale = 1.0 / total.clamp(min=1).float()

@@ -28,6 +28,7 @@ from ligertune.data import (
     collate_preferences,
 )
 from ligertune.data.preference import PreferencePack
+from ligertune.devices import device_count
 from ligertune.distributed import accumulating, all_reduce_sum, split_packs
 from ligertune.training.build import packs_per_step
 from ligertune.training.clipping import clip_gradients
@@ -116,14 +117,6 @@ def squared_lengths(batch: Batch | PaddedBatch) -> int | torch.Tensor:
         keys = batch.cu_seqlens_k[1:] - batch.cu_seqlens_k[:-1]
         return int((queries.long() * keys.long()).sum())
     return batch.attention_mask.sum(dim=1).square().sum()
-
-
-def device_count(count: int | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A count on `device`; one from the host by a fill, not a copy: a copy from the host's pageable
-    memory would wait for the work queued on the device."""
-    if isinstance(count, torch.Tensor):
-        return count.to(device)
-    return torch.full((), count, dtype=torch.int64, device=device)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -323,9 +323,9 @@ def collate_preferences(packs: Sequence[PreferencePack]) -> PreferenceBatch:
     answer_mismatched: list[bool] = []
     for p in packs:
         row0, answer0 = len(input_ids), len(answer_unit)
-        rows += map(row0.__add__, p.score_rows)
+        rows += [row0 + r for r in p.score_rows]
         targets += p.score_targets
-        answers += map(answer0.__add__, p.score_answers)
+        answers += [answer0 + a for a in p.score_answers]
         for u, lens in enumerate(p.answer_lens):
             # Answer 0: a pair's chosen answer, a KTO example's completion (chosen if desirable);
             # answer 1: the rejected answer, the mismatched completion.

@@ -29,8 +29,9 @@ mismatched completion, the next example's (`synthetic_kto`), desirable and undes
     TRL DPOTrainer + Liger    the same with `use_liger_kernel` (Liger's RMSNorm, RoPE, SwiGLU; TRL
                               keeps its own chunked log-prob head)
 
-TRL's steps run in `Trainer.train`; a callback synchronizes the device at each step's start and end
-and times the steps after the warm-up ones. Its tokenization of text is skipped (the pairs are token
+TRL's steps run in `Trainer.train` on one GPU, as ligertune's (`one_device`: with several GPUs
+visible, `Trainer` would otherwise spread each micro-batch over all of them); a callback synchronizes
+the device at each step's start and end and times the steps after the warm-up ones. Its tokenization of text is skipped (the pairs are token
 ids already), so the processing class only gives the pad token. The peers report `skipped` for
 simpo and orpo (TRL trains them with other trainers) and `not installed` without `trl` (and
 `datasets`, which it needs).
@@ -323,6 +324,7 @@ class PreferenceStepBench(StepBench):
                                      undesirable_weight=objective.undesirable_weight)
             else:
                 args = trl.DPOConfig(**common, loss_type=[loss], label_smoothing=objective.label_smoothing)
+            one_device(args)
             clock = StepClock(self.device, cfg.warmup)
             trainer = _pretokenized(trl.KTOTrainer if kto else trl.DPOTrainer)(
                 model=model, ref_model=reference, args=args, callbacks=[clock],
@@ -371,6 +373,18 @@ class StepClock(TrainerCallback):
         synchronize(self.device)
         if state.global_step > self.warmup:
             self.times.append((time.perf_counter() - self.start) * 1e3)
+
+
+def one_device(args) -> None:
+    """Keep a `transformers.TrainingArguments`' trainer on one GPU, as the other rows run: with several
+    GPUs visible to one process, `Trainer` would spread each micro-batch over all of them
+    (`nn.DataParallel`, the micro-batch times the GPUs), and TRL's KTOTrainer refuses to start. Raises
+    if this version of transformers does not let it (the row then fails, saying so)."""
+    if args.n_gpu > 1:  # read first: it sets the count from the GPUs visible, once
+        args._n_gpu = 1
+    if args.n_gpu != 1 and args.device.type == "cuda":
+        raise RuntimeError(f"transformers' Trainer would spread over {args.n_gpu} GPUs; make one visible with "
+                           f"CUDA_VISIBLE_DEVICES")
 
 
 def _pretokenized(trainer: type) -> type:

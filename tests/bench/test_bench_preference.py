@@ -249,3 +249,27 @@ def test_trl_kto_row_runs_the_same_examples_when_installed(tmp_path, monkeypatch
     path.write_text(RECIPE.replace("name: dpo", "name: kto").replace("seed: 3", "seed: 3\n  grad_accum_steps: 4"))
     one = run_step_bench(load_recipe(path), config)  # 1 example a micro-batch: TRL's KL has nothing to pair
     assert {row.name: row for row in one.rows}["TRL KTOTrainer"].status == "skipped"
+
+
+def test_the_trl_rows_keep_to_one_gpu_when_several_are_visible(tmp_path, monkeypatch):
+    """transformers' Trainer takes every visible GPU in one process (nn.DataParallel, the micro-batch
+    times the GPUs): the peer's step would not be the one ligertune's rows run."""
+    import torch
+    from transformers import TrainingArguments
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none")
+    assert args.n_gpu == 2  # what Trainer would spread each micro-batch over
+    bench_preference.one_device(args)
+    assert args.n_gpu == 1 and args.train_batch_size == args.per_device_train_batch_size
+
+
+def test_a_trainer_that_cannot_be_kept_to_one_gpu_fails_its_row_saying_so():
+    import torch
+
+    class Spread:  # a TrainingArguments whose GPU count does not follow `_n_gpu`
+        n_gpu = 4
+        device = torch.device("cuda", 0)
+
+    with pytest.raises(RuntimeError, match="spread over 4 GPUs; make one visible with CUDA_VISIBLE_DEVICES"):
+        bench_preference.one_device(Spread())

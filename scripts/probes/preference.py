@@ -16,8 +16,9 @@ warm-up steps, each phase runs `REPEATS` times, the device synchronized around i
     forward+back    `forward_backward(run, batches, backward=True)`, the gradients then dropped
     step            `train_step(run, batches)`: the above, clipping, the update, the schedule
 
-backward = forward+back - forward; optimizer and the rest = step - forward+back. Then one step under
-the profiler: device time by kernel kind (`scripts/probes/step.py`'s kinds).
+backward = forward+back - forward; optimizer and the rest = step - forward+back. Then one step and one
+reference pass under the profiler: device time by kernel kind (`scripts/probes/step.py`'s kinds), and
+the time the device sat idle between kernels (the longest gaps named by the kernels around them).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step import profile_kinds  # the kernel kinds of the SFT step's probe
+from step import profile_kinds  # the kernel kinds and idle gaps of the SFT step's probe
 
 from ligertune.bench.preference import PreferenceStepBench, pair_shape
 from ligertune.bench.step import StepBenchConfig, new_report, tokenizer_vocab
@@ -114,11 +115,16 @@ def main(args: argparse.Namespace) -> None:
     print(f"{'step + reference':24} {total:8.1f} ms  -> {bench.shape.pairs / total * 1e3:.2f} pairs/s")
     if device.type != "cuda":
         return
-    kinds = profile_kinds(lambda: train_step(run, batches))
-    busy = sum(kinds.values())
-    print(f"one step under the profiler: {busy:.1f} ms of device time")
-    for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1]):
-        print(f"  {kind:20} {ms:8.1f} ms {100 * ms / busy:5.1f}%")
+    for name, fn in (("one step", lambda: train_step(run, batches)),
+                     ("the reference pass", lambda: compute_reference_logps(run.engine, copies, device))):
+        kinds, _, gaps = profile_kinds(fn)
+        busy = sum(kinds.values())
+        print(f"{name} under the profiler: {busy:.1f} ms of device time; the device idle "
+              f"{sum(ms for ms, _, _ in gaps):.1f} ms in {len(gaps)} gaps")
+        for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1]):
+            print(f"  {kind:20} {ms:8.1f} ms {100 * ms / busy:5.1f}%")
+        for ms, before, after in gaps[:4]:
+            print(f"  idle {ms:6.2f} ms  {before[:50]}  ->  {after[:50]}")
 
 
 if __name__ == "__main__":

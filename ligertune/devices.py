@@ -48,6 +48,20 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
+def describe_device(device: torch.device, world_size: int = 1) -> str:
+    """Where a run trains, as its first line says: `cpu`, or `cuda` with the GPU's name and, for one
+    process on a machine of several GPUs, that it uses one of them and how to use them all."""
+    if device.type != "cuda":
+        return device.type
+    name = torch.cuda.get_device_name(device)
+    if world_size > 1:
+        return f"cuda ({name}, {world_size} processes)"
+    visible = torch.cuda.device_count()
+    if visible > 1:
+        return f"cuda ({name}: 1 of the {visible} GPUs visible; --nproc {visible} trains on all of them)"
+    return f"cuda ({name})"
+
+
 def synchronize(device: torch.device | str) -> None:
     """Wait for the device's queued work (a no-op on the CPU)."""
     device = torch.device(device)

@@ -31,7 +31,7 @@ import torch
 import transformers
 from rich.console import Console
 
-from ligertune.devices import synchronize
+from ligertune.devices import describe_device, synchronize
 from ligertune.distributed import (
     PeerWatch,
     PeersLost,
@@ -266,7 +266,8 @@ def describe_run(run: Run, dtype: torch.dtype, patches: str) -> None:
     slots = len(data.train_packs) * recipe.data.max_seq_len
     per_step = packs_per_step(recipe.train, run.topology.world_size)
     out.print(f"[bold]ligertune[/] model {type(run.model).__name__} {n_params / 1e6:.2f}M params "
-              f"({n_trainable / 1e6:.2f}M trainable), {dtype}, {run.device.type}", markup=True)
+              f"({n_trainable / 1e6:.2f}M trainable), {dtype}, "
+              f"{describe_device(run.device, run.topology.world_size)}", markup=True)
     out.print(f"kernels: {patches}; fused loss: {'on' if run.head.fused else 'off'} "
               f"({active_path(run.device)} path)")
     if recipe.train.precision == "fp8":

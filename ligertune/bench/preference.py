@@ -31,10 +31,10 @@ mismatched completion, the next example's (`synthetic_kto`), desirable and undes
 
 TRL's steps run in `Trainer.train` on one GPU, as ligertune's (`one_device`: with several GPUs
 visible, `Trainer` would otherwise spread each micro-batch over all of them); a callback synchronizes
-the device at each step's start and end and times the steps after the warm-up ones. Its tokenization of text is skipped (the pairs are token
-ids already), so the processing class only gives the pad token. The peers report `skipped` for
-simpo and orpo (TRL trains them with other trainers) and `not installed` without `trl` (and
-`datasets`, which it needs).
+the device at each step's start and end and times the steps after the warm-up ones. Its tokenization
+of text is skipped (the pairs are token ids already), so the processing class only gives the pad
+token. The peers report `skipped` for simpo and orpo (TRL trains them with other trainers) and `not
+installed` without `trl` (and `datasets`, which it needs).
 """
 
 from __future__ import annotations
@@ -383,8 +383,8 @@ def one_device(args) -> None:
     if args.n_gpu > 1:  # read first: it sets the count from the GPUs visible, once
         args._n_gpu = 1
     if args.n_gpu != 1 and args.device.type == "cuda":
-        raise RuntimeError(f"transformers' Trainer would spread over {args.n_gpu} GPUs; make one visible with "
-                           f"CUDA_VISIBLE_DEVICES")
+        raise RuntimeError(f"transformers' Trainer would spread over {args.n_gpu} GPUs; "
+                           "make one visible with CUDA_VISIBLE_DEVICES")
 
 
 def _pretokenized(trainer: type) -> type:

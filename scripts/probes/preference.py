@@ -19,6 +19,8 @@ warm-up steps, each phase runs `REPEATS` times, the device synchronized around i
 backward = forward+back - forward; optimizer and the rest = step - forward+back. Then one step and one
 reference pass under the profiler: device time by kernel kind (`scripts/probes/step.py`'s kinds), and
 the time the device sat idle between kernels (the longest gaps named by the kernels around them).
+With `--peers`, the same for one timed step of TRL's trainer and of TRL + Liger's, as `bench step`
+runs them (which attention kernels they take, and how long their device waits).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step import profile_kinds  # the kernel kinds and idle gaps of the SFT step's probe
+from step import kind_of, profile_kinds, profile_summary  # the SFT step probe's kernel kinds and idle gaps
 
 from ligertune.bench.preference import PreferenceStepBench, pair_shape
 from ligertune.bench.step import StepBenchConfig, new_report, tokenizer_vocab
@@ -117,14 +119,53 @@ def main(args: argparse.Namespace) -> None:
         return
     for name, fn in (("one step", lambda: train_step(run, batches)),
                      ("the reference pass", lambda: compute_reference_logps(run.engine, copies, device))):
-        kinds, _, gaps = profile_kinds(fn)
-        busy = sum(kinds.values())
-        print(f"{name} under the profiler: {busy:.1f} ms of device time; the device idle "
-              f"{sum(ms for ms, _, _ in gaps):.1f} ms in {len(gaps)} gaps")
-        for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1]):
-            print(f"  {kind:20} {ms:8.1f} ms {100 * ms / busy:5.1f}%")
-        for ms, before, after in gaps[:4]:
-            print(f"  idle {ms:6.2f} ms  {before[:50]}  ->  {after[:50]}")
+        show_profile(name, profile_kinds(fn))
+    if args.peers:
+        for liger in (False, True):
+            show_profile(f"one step of TRL's trainer{' + Liger' if liger else ''}", profile_trl(bench, liger))
+
+
+def show_profile(name: str, summary) -> None:
+    kinds, kernels, gaps = summary
+    busy = sum(kinds.values())
+    print(f"{name} under the profiler: {busy:.1f} ms of device time; the device idle "
+          f"{sum(ms for ms, _, _ in gaps):.1f} ms in {len(gaps)} gaps")
+    for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        print(f"  {kind:20} {ms:8.1f} ms {100 * ms / busy:5.1f}%")
+    for kernel, ms, calls in [k for k in kernels if kind_of(k[0]) == "attention"][:4]:
+        print(f"  attention {ms:8.2f} ms {calls:5d}x  {kernel[:90]}")
+    for ms, before, after in gaps[:4]:
+        print(f"  idle {ms:6.2f} ms  {before[:50]}  ->  {after[:50]}")
+
+
+def profile_trl(bench: PreferenceStepBench, liger: bool):
+    """`profile_kinds`' results for the first timed step of `bench step`'s TRL row (+ Liger)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ligertune.bench import preference as bench_preference
+
+    summaries = []
+
+    class ProfiledClock(bench_preference.StepClock):
+        def on_step_begin(self, args, state, control, **kwargs):
+            super().on_step_begin(args, state, control, **kwargs)
+            if state.global_step == self.warmup:
+                self.profiler = profile(activities=[ProfilerActivity.CUDA])
+                self.profiler.__enter__()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            super().on_step_end(args, state, control, **kwargs)  # the device synchronized
+            if state.global_step == self.warmup + 1:
+                self.profiler.__exit__(None, None, None)
+                summaries.append(profile_summary(self.profiler))
+
+    loss = bench_preference.TRL_LOSSES[bench.recipe.objective.name]
+    original, bench_preference.StepClock = bench_preference.StepClock, ProfiledClock
+    try:
+        bench._trl("TRL", liger, loss)
+    finally:
+        bench_preference.StepClock = original
+    return summaries[0]
 
 
 if __name__ == "__main__":
@@ -133,4 +174,6 @@ if __name__ == "__main__":
     parser.add_argument("--prompt-len", type=int, default=2830)
     parser.add_argument("--answer-len", type=int, default=1190)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--peers", action="store_true",
+                        help="also profile a step of TRL's trainer and of TRL + Liger's (trl, liger-kernel)")
     main(parser.parse_args())

@@ -59,11 +59,15 @@ KINDS = [  # first match wins
 ]
 
 
+ProfileSummary = tuple[dict[str, float], list[tuple[str, float, int]], list[tuple[float, str, str]]]
+"""Device ms by kernel kind; (kernel, ms, calls) by ms; (ms, kernel before, kernel after) of each idle gap."""
+
+
 def kind_of(kernel: str) -> str:
     return next((kind for kind, pattern in KINDS if re.search(pattern, kernel, re.IGNORECASE)), "other")
 
 
-def profile_kinds(step) -> tuple[dict[str, float], list[tuple[str, float, int]], list[tuple[float, str, str]]]:
+def profile_kinds(step) -> ProfileSummary:
     """Device ms by kernel kind; the kernels by device ms: (name, ms, calls); and the gaps in the
     device's timeline (no kernel nor copy running), longest first: (ms, the kernel before, the one
     after), the step's idle time being their sum."""
@@ -72,6 +76,11 @@ def profile_kinds(step) -> tuple[dict[str, float], list[tuple[str, float, int]],
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
+    return profile_summary(prof)
+
+
+def profile_summary(prof) -> ProfileSummary:
+    """`profile_kinds`' three results from a finished `torch.profiler.profile` of CUDA activity."""
     by_kind: dict[str, float] = defaultdict(float)
     kernels = []
     for event in prof.key_averages():

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step import kind_of, profile_kinds, profile_summary  # the SFT step probe's kernel kinds and idle gaps
+from step import ProfileSummary, kind_of, profile_kinds, profile_summary  # the SFT step probe's
 
 from ligertune.bench.preference import PreferenceStepBench, pair_shape
 from ligertune.bench.step import StepBenchConfig, new_report, tokenizer_vocab
@@ -121,11 +121,13 @@ def main(args: argparse.Namespace) -> None:
                      ("the reference pass", lambda: compute_reference_logps(run.engine, copies, device))):
         show_profile(name, profile_kinds(fn))
     if args.peers:
-        for liger in (False, True):
+        from ligertune.bench.peers import find_peer
+
+        for liger in (False, True) if find_peer("liger").available else (False,):
             show_profile(f"one step of TRL's trainer{' + Liger' if liger else ''}", profile_trl(bench, liger))
 
 
-def show_profile(name: str, summary) -> None:
+def show_profile(name: str, summary: ProfileSummary) -> None:
     kinds, kernels, gaps = summary
     busy = sum(kinds.values())
     print(f"{name} under the profiler: {busy:.1f} ms of device time; the device idle "
@@ -138,7 +140,7 @@ def show_profile(name: str, summary) -> None:
         print(f"  idle {ms:6.2f} ms  {before[:50]}  ->  {after[:50]}")
 
 
-def profile_trl(bench: PreferenceStepBench, liger: bool):
+def profile_trl(bench: PreferenceStepBench, liger: bool) -> ProfileSummary:
     """`profile_kinds`' results for the first timed step of `bench step`'s TRL row (+ Liger)."""
     from torch.profiler import ProfilerActivity, profile
 

@@ -2,8 +2,8 @@
 per second.
 
 The synthetic data is `pairs` pairs of random tokens, each a prompt of `prompt_len` tokens and two
-answers of `answer_len` (`bench.synthetic.synthetic_pairs`; every answer token scored), the same
-pairs for every variant; for KTO, `pairs` examples, each a prompt, a completion and, as its
+answers of `answer_len` (`bench.synthetic.synthetic_pairs`; every answer token scored; with
+`length_spread`, each length drawn around these), the same pairs for every variant; for KTO, `pairs` examples, each a prompt, a completion and, as its
 mismatched completion, the next example's (`synthetic_kto`), desirable and undesirable in turn:
 
     ligertune                 the trainer's step: the recipe's model and run (`build_run`), the
@@ -62,7 +62,7 @@ from ligertune.bench.step import (
     _restored_module,
     checkpointing_of,
 )
-from ligertune.bench.synthetic import synthetic_kto, synthetic_pairs
+from ligertune.bench.synthetic import spread_lengths, synthetic_kto, synthetic_pairs
 from ligertune.data import collate_preferences
 from ligertune.data.preference import PreferencePack, pack_preferences
 from ligertune.devices import synchronize
@@ -82,22 +82,25 @@ REFERENCE_PASS_PACKS = 16
 
 @dataclass(frozen=True)
 class PairShape:
-    """The synthetic pairs (KTO: examples) of one step."""
+    """The synthetic pairs (KTO: examples) of one step: `prompt_len` and `answer_len` each pair's, or
+    with a `spread` the middle of the lengths drawn (`synthetic.spread_lengths`)."""
 
     pairs: int
     prompt_len: int
     answer_len: int
+    spread: float = 0.0
 
     @property
     def tokens(self) -> int:
-        """Tokens of one pair as ligertune lays it out: the prompt once, then both answers (KTO: the
-        completion and the mismatched one)."""
-        return self.prompt_len + 2 * self.answer_len
+        """Tokens of the longest pair as ligertune lays it out: the prompt once, then both answers
+        (KTO: the completion and the mismatched one)."""
+        longest = {n: spread_lengths(n, self.spread)[1] for n in (self.prompt_len, self.answer_len)}
+        return longest[self.prompt_len] + 2 * longest[self.answer_len]
 
 
 def check_pair_options(recipe: Recipe, config: StepBenchConfig) -> None:
     """The pair options belong to preference recipes."""
-    given = [f"--{name.replace('_', '-')}" for name in ("pairs", "prompt_len", "answer_len")
+    given = [f"--{name.replace('_', '-')}" for name in ("pairs", "prompt_len", "answer_len", "length_spread")
              if getattr(config, name) is not None]
     if not recipe.objective.preference and given:
         raise UserError(f"{', '.join(given)}: these shape preference pairs; the recipe's objective is sft")
@@ -112,14 +115,18 @@ def pair_shape(recipe: Recipe, config: StepBenchConfig) -> PairShape:
         pairs=config.pairs if config.pairs is not None else train.micro_batch_size * train.grad_accum_steps,
         prompt_len=config.prompt_len if config.prompt_len is not None else max_len // 2,
         answer_len=config.answer_len if config.answer_len is not None else max_len // 4,
+        spread=config.length_spread or 0.0,
     )
     if min(shape.pairs, shape.prompt_len, shape.answer_len) < 1:
         raise UserError(f"--pairs, --prompt-len and --answer-len must be at least 1; got {shape.pairs}, "
                         f"{shape.prompt_len}, {shape.answer_len}")
+    if not 0.0 <= shape.spread < 1.0:
+        raise UserError(f"--length-spread must be at least 0 and below 1; got {shape.spread}")
     if shape.tokens > max_len:
+        longest = f", the longest drawn at --length-spread {shape.spread}" if shape.spread else ""
         raise UserError(f"--prompt-len {shape.prompt_len} and two answers of --answer-len {shape.answer_len} "
-                        f"make {shape.tokens} tokens, more than data.max_seq_len={max_len}: a pair packs "
-                        "whole")
+                        f"make {shape.tokens} tokens{longest}, more than data.max_seq_len={max_len}: a pair "
+                        "packs whole")
     return shape
 
 
@@ -159,7 +166,7 @@ class PreferenceStepBench(StepBench):
         shape = self.shape
         vocab = self.report.model["vocab_size"]
         make = synthetic_kto if self.recipe.objective.name == "kto" else synthetic_pairs
-        return make(shape.pairs, shape.prompt_len, shape.answer_len, vocab, self.config.seed)
+        return make(shape.pairs, shape.prompt_len, shape.answer_len, vocab, self.config.seed, shape.spread)
 
     def _packs(self) -> list[PreferencePack]:
         data = self.recipe.data
@@ -168,7 +175,8 @@ class PreferenceStepBench(StepBench):
         self.report.pairs = {
             "objective": self.recipe.objective.name, "pairs": self.shape.pairs,
             "prompt_len": self.shape.prompt_len, "answer_len": self.shape.answer_len,
-            "packs": len(packs), "micro_batches": math.ceil(len(packs) / size),
+            "length_spread": self.shape.spread, "packs": len(packs),
+            "micro_batches": math.ceil(len(packs) / size),
         }
         return packs
 

@@ -206,9 +206,12 @@ def step_header(report) -> list[str]:
         p = report.pairs
         packed = p["prompt_len"] + 2 * p["answer_len"]
         answers = ("a completion and a mismatched completion" if p["objective"] == "kto" else "two answers")
+        spread = p.get("length_spread") or 0.0
+        drawn = f"; each length drawn within {spread:.0%} of these, uniformly" if spread else ""
+        middle = " in the middle" if spread else ""
         lines.append(f"{p['objective']}: {p['pairs']} {rated(report)} a step, each a prompt of {p['prompt_len']} "
-                     f"tokens and {answers} of {p['answer_len']} ({packed} tokens packed, the prompt once; "
-                     f"{2 * (p['prompt_len'] + p['answer_len'])} as two sequences)")
+                     f"tokens and {answers} of {p['answer_len']}{drawn} ({packed} tokens packed{middle}, the "
+                     f"prompt once; {2 * (p['prompt_len'] + p['answer_len'])} as two sequences)")
         lines.append(f"ligertune: {p['packs']} packs of at most {report.max_seq_len} tokens in "
                      f"{p['micro_batches']} micro-batches of {report.micro_batch_size}{ckpt}; "
                      f"{report.warmup} warm-up + {report.steps} timed steps")

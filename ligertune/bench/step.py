@@ -93,6 +93,7 @@ class StepBenchConfig:
     pairs: int | None = None
     prompt_len: int | None = None
     answer_len: int | None = None
+    length_spread: float | None = None  # each prompt's and answer's length drawn within this fraction
 
 
 # --------------------------------------------------------------------------------------------------

@@ -5,8 +5,8 @@
     examples = synthetic_conversations(total_tokens, max_len, vocab_size, seed)
     examples, packs = whole_micro_batches(examples, recipe.data, micro_batch_size)
     groups = padded_groups([len(e) for e in examples], budget)         # the same, right-padded
-    units = synthetic_pairs(pairs, prompt_len, answer_len, vocab_size, seed)   # preference recipes
-    units = synthetic_kto(examples, prompt_len, answer_len, vocab_size, seed)  # kto
+    units = synthetic_pairs(pairs, prompt_len, answer_len, vocab_size, seed, spread)   # preference recipes
+    units = synthetic_kto(examples, prompt_len, answer_len, vocab_size, seed, spread)  # kto
 
 No tokenizer and no file: the shapes are what a step's time depends on, not the words.
 """
@@ -76,34 +76,55 @@ def whole_micro_batches(examples: list[TokenizedExample], data: DataConfig,
     return [examples[i] for p in packs for i in p.example_indices], packs
 
 
-def synthetic_pairs(pairs: int, prompt_len: int, answer_len: int, vocab_size: int,
-                    seed: int) -> list[PreferenceExample]:
+def spread_lengths(n: int, spread: float) -> tuple[int, int]:
+    """The shortest and longest of the lengths drawn around `n` at `spread` (a fraction below 1):
+    round(n (1 - spread)) to round(n (1 + spread)), at least 1."""
+    return max(1, round(n * (1 - spread))), max(1, round(n * (1 + spread)))
+
+
+def _length(n: int, spread: float, gen: torch.Generator) -> int:
+    """`n`, or with a spread a length drawn uniformly from `spread_lengths(n, spread)`."""
+    if not spread:
+        return n
+    low, high = spread_lengths(n, spread)
+    return int(torch.randint(low, high + 1, (), generator=gen))
+
+
+def synthetic_pairs(pairs: int, prompt_len: int, answer_len: int, vocab_size: int, seed: int,
+                    spread: float = 0.0) -> list[PreferenceExample]:
     """`pairs` preference pairs of random tokens: a prompt of `prompt_len` tokens, then a chosen and a
     rejected answer of `answer_len` tokens each, every answer token scored (as an assistant's turns
-    and their end-of-turn tokens are), no prompt token."""
+    and their end-of-turn tokens are), no prompt token. With a `spread`, each prompt's and each
+    answer's length is drawn on its own, uniformly within `spread_lengths` (real pairs' lengths
+    differ, which padding pays for and packing does not)."""
     gen = torch.Generator().manual_seed(seed)
     units = []
     for i in range(pairs):
-        ids = torch.randint(0, vocab_size, (prompt_len + 2 * answer_len,), generator=gen).tolist()
-        labels = [IGNORE_INDEX] * prompt_len + ids[prompt_len:]
-        units.append(PreferenceExample(input_ids=ids, labels=labels, prompt_len=prompt_len,
-                                       answer_lens=(answer_len, answer_len), origin=f"synthetic:{i}"))
+        prompt, chosen, rejected = (_length(n, spread, gen) for n in (prompt_len, answer_len, answer_len))
+        ids = torch.randint(0, vocab_size, (prompt + chosen + rejected,), generator=gen).tolist()
+        labels = [IGNORE_INDEX] * prompt + ids[prompt:]
+        units.append(PreferenceExample(input_ids=ids, labels=labels, prompt_len=prompt,
+                                       answer_lens=(chosen, rejected), origin=f"synthetic:{i}"))
     return units
 
 
-def synthetic_kto(examples: int, prompt_len: int, answer_len: int, vocab_size: int,
-                  seed: int) -> list[KTOExample]:
+def synthetic_kto(examples: int, prompt_len: int, answer_len: int, vocab_size: int, seed: int,
+                  spread: float = 0.0) -> list[KTOExample]:
     """`examples` KTO examples of random tokens, desirable and undesirable in turn: a prompt of
     `prompt_len` tokens and a completion of `answer_len`, then as its mismatched completion the next
-    example's completion (the last takes the first's), every completion token scored."""
+    example's completion (the last takes the first's), every completion token scored. With a
+    `spread`, each prompt's and each completion's length is drawn as `synthetic_pairs` draws them."""
     gen = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, vocab_size, (prompt_len,), generator=gen).tolist() for _ in range(examples)]
-    completions = [torch.randint(0, vocab_size, (answer_len,), generator=gen).tolist() for _ in range(examples)]
+    prompts = [torch.randint(0, vocab_size, (_length(prompt_len, spread, gen),), generator=gen).tolist()
+               for _ in range(examples)]
+    completions = [torch.randint(0, vocab_size, (_length(answer_len, spread, gen),), generator=gen).tolist()
+                   for _ in range(examples)]
     units = []
     for i, prompt in enumerate(prompts):
-        answers = completions[i] + completions[(i + 1) % examples]
-        units.append(KTOExample(input_ids=prompt + answers, labels=[IGNORE_INDEX] * prompt_len + answers,
-                                prompt_len=prompt_len, answer_lens=(answer_len, answer_len),
+        completion, mismatched = completions[i], completions[(i + 1) % examples]
+        answers = completion + mismatched
+        units.append(KTOExample(input_ids=prompt + answers, labels=[IGNORE_INDEX] * len(prompt) + answers,
+                                prompt_len=len(prompt), answer_lens=(len(completion), len(mismatched)),
                                 desirable=i % 2 == 0, origin=f"synthetic:{i}"))
     return units
 

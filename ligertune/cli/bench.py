@@ -195,6 +195,12 @@ def step(
         Optional[int], typer.Option("--answer-len", help="Preference recipes: tokens of each answer, chosen "
                                     "and rejected (default: a quarter of data.max_seq_len).", show_default=False)
     ] = None,
+    length_spread: Annotated[
+        Optional[float], typer.Option("--length-spread", metavar="F", show_default=False,
+                                      help="Preference recipes: draw each prompt's and answer's length "
+                                           "uniformly within F (0 to below 1) of --prompt-len and --answer-len, "
+                                           "as real pairs differ (default 0: all alike).")
+    ] = None,
 ) -> None:
     """Time training steps of the recipe's model: ligertune, plain transformers, transformers + Liger.
 
@@ -239,7 +245,8 @@ def step(
     config = StepBenchConfig(steps=default.steps if steps is None else steps,
                              warmup=default.warmup if warmup is None else warmup,
                              chat=chat, peers=peers, peak_tflops=peak_tflops, device_memory_gib=device_memory,
-                             pairs=pairs, prompt_len=prompt_len, answer_len=answer_len)
+                             pairs=pairs, prompt_len=prompt_len, answer_len=answer_len,
+                             length_spread=length_spread)
     console = Console()
     progress = Console(stderr=True, highlight=False)
     log = lambda line: progress.print(f"[dim]{line}[/]")  # noqa: E731

@@ -14,7 +14,7 @@ from ligertune.bench import preference as bench_preference
 from ligertune.bench.preference import REFERENCE_PASS_PACKS
 from ligertune.bench.peers import Peer
 from ligertune.bench.step import StepBenchConfig, run_step_bench
-from ligertune.bench.synthetic import synthetic_kto
+from ligertune.bench.synthetic import spread_lengths, synthetic_kto, synthetic_pairs
 from ligertune.cli.bench import app
 from ligertune.flops import StepFlops
 from ligertune.models import build_model
@@ -72,7 +72,8 @@ def test_dpo_recipe_is_timed_in_pairs_with_its_reference_pass(tmp_path, no_peers
     assert result.exit_code == 0, result.output + repr(result.exception)
     data = json.loads(out.read_text())
     # Defaults: micro_batch_size x grad_accum_steps pairs, prompt max_seq_len / 2, answers max_seq_len / 4
-    assert data["pairs"] == {"objective": "dpo", "pairs": 2, "prompt_len": 32, "answer_len": 16, "packs": 2,
+    assert data["pairs"] == {"objective": "dpo", "pairs": 2, "prompt_len": 32, "answer_len": 16,
+                             "length_spread": 0.0, "packs": 2,
                              "micro_batches": 1}
     rows = {row["name"]: row for row in data["rows"]}
     assert list(rows) == ["ligertune", "TRL DPOTrainer", "TRL DPOTrainer + Liger"]  # no chat rows, no HF rows
@@ -99,7 +100,8 @@ def test_pair_options_shape_the_pairs_and_packing_follows_the_recipe(tmp_path, n
     config = StepBenchConfig(steps=1, warmup=0, measure_matmul=False, pairs=5, prompt_len=10, answer_len=7)
     report = run_step_bench(recipe, config)
     # 24-token pairs, best-fit into packs of 64: two a pack, five pairs in three packs, two micro-batches
-    assert report.pairs == {"objective": "dpo", "pairs": 5, "prompt_len": 10, "answer_len": 7, "packs": 3,
+    assert report.pairs == {"objective": "dpo", "pairs": 5, "prompt_len": 10, "answer_len": 7,
+                            "length_spread": 0.0, "packs": 3,
                             "micro_batches": 2}
     ours = report.rows[0]
     assert ours.status == "ok" and ours.pairs == 5 and ours.tokens == 5 * 24
@@ -135,6 +137,11 @@ def test_trl_rows_are_skipped_for_losses_trl_trains_elsewhere(tmp_path, monkeypa
         pytest.param(["--prompt-len", "40", "--answer-len", "16"], "72 tokens, more than data.max_seq_len=64",
                      id="pair-too-long"),
         pytest.param(["--pairs", "0"], "must be at least 1", id="no-pairs"),
+        pytest.param(["--length-spread", "1"], "--length-spread must be at least 0 and below 1; got 1.0",
+                     id="spread-of-one"),
+        pytest.param(["--prompt-len", "30", "--answer-len", "12", "--length-spread", "0.3"],
+                     "make 71 tokens, the longest drawn at --length-spread 0.3, more than data.max_seq_len=64",
+                     id="spread-too-long"),
     ],
 )
 def test_bad_pair_options_are_one_clear_error(tmp_path, no_peers, args, message):
@@ -202,7 +209,8 @@ def test_kto_recipe_is_timed_in_examples_with_its_kl_pass_counted(tmp_path, no_p
     result = run_cli(str(path), "--steps", "1", "--warmup", "0", "--pairs", "4", "--json", str(out))
     assert result.exit_code == 0, result.output + repr(result.exception)
     data = json.loads(out.read_text())
-    assert data["pairs"] == {"objective": "kto", "pairs": 4, "prompt_len": 32, "answer_len": 16, "packs": 4,
+    assert data["pairs"] == {"objective": "kto", "pairs": 4, "prompt_len": 32, "answer_len": 16,
+                             "length_spread": 0.0, "packs": 4,
                              "micro_batches": 2}
     rows = {row["name"]: row for row in data["rows"]}
     assert list(rows) == ["ligertune", "TRL KTOTrainer", "TRL KTOTrainer + Liger"]
@@ -273,3 +281,48 @@ def test_a_trainer_that_cannot_be_kept_to_one_gpu_fails_its_row_saying_so():
 
     with pytest.raises(RuntimeError, match="spread over 4 GPUs; make one visible with CUDA_VISIBLE_DEVICES"):
         bench_preference.one_device(Spread())
+
+
+def test_a_length_spread_draws_each_prompt_and_answer_within_it():
+    assert spread_lengths(100, 0.5) == (50, 150) and spread_lengths(1, 0.9) == (1, 2)
+    pairs = synthetic_pairs(200, 100, 40, 50, seed=4, spread=0.5)
+    prompts = [u.prompt_len for u in pairs]
+    answers = [n for u in pairs for n in u.answer_lens]
+    assert min(prompts) >= 50 and max(prompts) <= 150 and len(set(prompts)) > 50
+    assert min(answers) >= 20 and max(answers) <= 60
+    assert any(chosen != rejected for chosen, rejected in (u.answer_lens for u in pairs))
+    assert 95 < sum(prompts) / len(prompts) < 105 and 38 < sum(answers) / len(answers) < 42  # the middle
+    assert all(len(u.input_ids) == u.prompt_len + sum(u.answer_lens) for u in pairs)
+    assert [u.input_ids for u in synthetic_pairs(5, 100, 40, 50, seed=4, spread=0.5)] == [
+        u.input_ids for u in pairs[:5]]  # the seed decides
+    examples = synthetic_kto(20, 100, 40, 50, seed=4, spread=0.5)
+    completions = [u.input_ids[u.prompt_len:u.prompt_len + u.answer_lens[0]] for u in examples]
+    assert len({len(c) for c in completions}) > 5
+    assert all(u.input_ids[u.prompt_len + u.answer_lens[0]:] == completions[(i + 1) % 20]
+               for i, u in enumerate(examples))
+
+
+def test_a_length_spread_reaches_the_pairs_and_the_header(tmp_path, no_peers, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    out = tmp_path / "step.json"
+    result = run_cli(str(write(tmp_path)), "--steps", "1", "--warmup", "0", "--pairs", "4",
+                     "--prompt-len", "20", "--answer-len", "8", "--length-spread", "0.5", "--json", str(out))
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    data = json.loads(out.read_text())
+    assert data["pairs"]["length_spread"] == 0.5
+    ours = data["rows"][0]
+    drawn = synthetic_pairs(4, 20, 8, data["model"]["vocab_size"], seed=0, spread=0.5)
+    assert ours["status"] == "ok" and ours["tokens"] == sum(len(u.input_ids) for u in drawn) != 4 * 36
+    assert ("4 pairs a step, each a prompt of 20 tokens and two answers of 8; each length drawn within 50% "
+            "of these, uniformly (36 tokens packed in the middle") in " ".join(result.output.split())
+
+
+def test_trl_rows_pad_the_same_spread_pairs_when_installed(tmp_path, monkeypatch):
+    pytest.importorskip("trl")
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)
+    config = StepBenchConfig(steps=1, warmup=1, measure_matmul=False, pairs=4, prompt_len=20, answer_len=8,
+                             length_spread=0.5)
+    rows = {row.name: row for row in run_step_bench(load_recipe(write(tmp_path)), config).rows}
+    trl = rows["TRL DPOTrainer"]
+    assert trl.status == "ok", trl.detail
+    assert trl.pairs == 4 and trl.tokens == rows["ligertune"].tokens and trl.flops == rows["ligertune"].flops

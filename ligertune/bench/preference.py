@@ -3,8 +3,9 @@ per second.
 
 The synthetic data is `pairs` pairs of random tokens, each a prompt of `prompt_len` tokens and two
 answers of `answer_len` (`bench.synthetic.synthetic_pairs`; every answer token scored; with
-`length_spread`, each length drawn around these), the same pairs for every variant; for KTO, `pairs` examples, each a prompt, a completion and, as its
-mismatched completion, the next example's (`synthetic_kto`), desirable and undesirable in turn:
+`length_spread`, each length drawn around these), the same pairs for every variant; for KTO,
+`pairs` examples, each a prompt, a completion and, as its mismatched completion, the next
+example's (`synthetic_kto`), desirable and undesirable in turn:
 
     ligertune                 the trainer's step: the recipe's model and run (`build_run`), the
                               pairs packed as the recipe packs them (prompt once, then the chosen

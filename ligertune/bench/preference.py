@@ -95,8 +95,8 @@ class PairShape:
     def tokens(self) -> int:
         """Tokens of the longest pair as ligertune lays it out: the prompt once, then both answers
         (KTO: the completion and the mismatched one)."""
-        longest = {n: spread_lengths(n, self.spread)[1] for n in (self.prompt_len, self.answer_len)}
-        return longest[self.prompt_len] + 2 * longest[self.answer_len]
+        prompt, answer = (spread_lengths(n, self.spread)[1] for n in (self.prompt_len, self.answer_len))
+        return prompt + 2 * answer
 
 
 def check_pair_options(recipe: Recipe, config: StepBenchConfig) -> None:

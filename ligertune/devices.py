@@ -53,7 +53,7 @@ def describe_device(device: torch.device, world_size: int = 1) -> str:
     process on a machine of several GPUs, that it uses one of them and how to use them all."""
     if device.type != "cuda":
         return device.type
-    name = torch.cuda.get_device_name(device)
+    name = device_name(device)
     if world_size > 1:
         return f"cuda ({name}, {world_size} processes)"
     visible = torch.cuda.device_count()

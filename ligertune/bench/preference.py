@@ -171,13 +171,15 @@ class PreferenceStepBench(StepBench):
 
     def _packs(self) -> list[PreferencePack]:
         data = self.recipe.data
-        packs = pack_preferences(self._pairs(), data.max_seq_len, packing=data.packing)
+        units = self._pairs()
+        packs = pack_preferences(units, data.max_seq_len, packing=data.packing)
         size = self.recipe.train.micro_batch_size
         self.report.pairs = {
             "objective": self.recipe.objective.name, "pairs": self.shape.pairs,
             "prompt_len": self.shape.prompt_len, "answer_len": self.shape.answer_len,
-            "length_spread": self.shape.spread, "packs": len(packs),
+            "length_spread": self.shape.spread, "seed": self.config.seed, "packs": len(packs),
             "micro_batches": math.ceil(len(packs) / size),
+            "drawn": [[unit.prompt_len, *unit.answer_lens] for unit in units] if self.shape.spread else None,
         }
         return packs
 

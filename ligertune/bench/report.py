@@ -23,6 +23,8 @@ KERNEL_TITLES = {
     "geglu": "GeGLU (tanh GELU), forward + backward",
     "lion": "Lion optimizer step, in place",
 }
+DRAWN_SHOWN = 8
+"""The drawn pairs whose lengths a preference report's header lists (the JSON has all of them)."""
 
 
 def fmt(value: float | None, spec: str = ".3g", suffix: str = "") -> str:
@@ -212,6 +214,11 @@ def step_header(report) -> list[str]:
         lines.append(f"{p['objective']}: {p['pairs']} {rated(report)} a step, each a prompt of {p['prompt_len']} "
                      f"tokens and {answers} of {p['answer_len']}{drawn} ({packed} tokens packed{middle}, the "
                      f"prompt once; {2 * (p['prompt_len'] + p['answer_len'])} as two sequences)")
+        if p.get("drawn"):
+            parts = "prompt+completion+mismatched" if p["objective"] == "kto" else "prompt+chosen+rejected"
+            lengths = ", ".join("+".join(map(str, unit)) for unit in p["drawn"][:DRAWN_SHOWN])
+            more = f", ... ({len(p['drawn'])} in all)" if len(p["drawn"]) > DRAWN_SHOWN else ""
+            lines.append(f"drawn with seed {p.get('seed', 0)}, {parts}: {lengths}{more}")
         lines.append(f"ligertune: {p['packs']} packs of at most {report.max_seq_len} tokens in "
                      f"{p['micro_batches']} micro-batches of {report.micro_batch_size}{ckpt}; "
                      f"{report.warmup} warm-up + {report.steps} timed steps")

@@ -201,6 +201,8 @@ def step(
                                            "uniformly within F (0 to below 1) of --prompt-len and --answer-len, "
                                            "as real pairs differ (default 0: all alike).")
     ] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic tokens, and of the lengths that "
+                                      "--length-spread draws.")] = 0,
 ) -> None:
     """Time training steps of the recipe's model: ligertune, plain transformers, transformers + Liger.
 
@@ -246,7 +248,7 @@ def step(
                              warmup=default.warmup if warmup is None else warmup,
                              chat=chat, peers=peers, peak_tflops=peak_tflops, device_memory_gib=device_memory,
                              pairs=pairs, prompt_len=prompt_len, answer_len=answer_len,
-                             length_spread=length_spread)
+                             length_spread=length_spread, seed=seed)
     console = Console()
     progress = Console(stderr=True, highlight=False)
     log = lambda line: progress.print(f"[dim]{line}[/]")  # noqa: E731

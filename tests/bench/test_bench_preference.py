@@ -73,8 +73,8 @@ def test_dpo_recipe_is_timed_in_pairs_with_its_reference_pass(tmp_path, no_peers
     data = json.loads(out.read_text())
     # Defaults: micro_batch_size x grad_accum_steps pairs, prompt max_seq_len / 2, answers max_seq_len / 4
     assert data["pairs"] == {"objective": "dpo", "pairs": 2, "prompt_len": 32, "answer_len": 16,
-                             "length_spread": 0.0, "packs": 2,
-                             "micro_batches": 1}
+                             "length_spread": 0.0, "seed": 0, "packs": 2,
+                             "micro_batches": 1, "drawn": None}
     rows = {row["name"]: row for row in data["rows"]}
     assert list(rows) == ["ligertune", "TRL DPOTrainer", "TRL DPOTrainer + Liger"]  # no chat rows, no HF rows
     ours = rows["ligertune"]
@@ -101,8 +101,8 @@ def test_pair_options_shape_the_pairs_and_packing_follows_the_recipe(tmp_path, n
     report = run_step_bench(recipe, config)
     # 24-token pairs, best-fit into packs of 64: two a pack, five pairs in three packs, two micro-batches
     assert report.pairs == {"objective": "dpo", "pairs": 5, "prompt_len": 10, "answer_len": 7,
-                            "length_spread": 0.0, "packs": 3,
-                            "micro_batches": 2}
+                            "length_spread": 0.0, "seed": 0, "packs": 3,
+                            "micro_batches": 2, "drawn": None}
     ours = report.rows[0]
     assert ours.status == "ok" and ours.pairs == 5 and ours.tokens == 5 * 24
 
@@ -210,8 +210,8 @@ def test_kto_recipe_is_timed_in_examples_with_its_kl_pass_counted(tmp_path, no_p
     assert result.exit_code == 0, result.output + repr(result.exception)
     data = json.loads(out.read_text())
     assert data["pairs"] == {"objective": "kto", "pairs": 4, "prompt_len": 32, "answer_len": 16,
-                             "length_spread": 0.0, "packs": 4,
-                             "micro_batches": 2}
+                             "length_spread": 0.0, "seed": 0, "packs": 4,
+                             "micro_batches": 2, "drawn": None}
     rows = {row["name"]: row for row in data["rows"]}
     assert list(rows) == ["ligertune", "TRL KTOTrainer", "TRL KTOTrainer + Liger"]
     ours = rows["ligertune"]
@@ -305,16 +305,21 @@ def test_a_length_spread_draws_each_prompt_and_answer_within_it():
 def test_a_length_spread_reaches_the_pairs_and_the_header(tmp_path, no_peers, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     out = tmp_path / "step.json"
-    result = run_cli(str(write(tmp_path)), "--steps", "1", "--warmup", "0", "--pairs", "4",
+    result = run_cli(str(write(tmp_path)), "--steps", "1", "--warmup", "0", "--pairs", "4", "--seed", "3",
                      "--prompt-len", "20", "--answer-len", "8", "--length-spread", "0.5", "--json", str(out))
     assert result.exit_code == 0, result.output + repr(result.exception)
     data = json.loads(out.read_text())
-    assert data["pairs"]["length_spread"] == 0.5
+    assert data["pairs"]["length_spread"] == 0.5 and data["pairs"]["seed"] == 3
     ours = data["rows"][0]
-    drawn = synthetic_pairs(4, 20, 8, data["model"]["vocab_size"], seed=0, spread=0.5)
+    drawn = synthetic_pairs(4, 20, 8, data["model"]["vocab_size"], seed=3, spread=0.5)
+    assert data["pairs"]["drawn"] == [[u.prompt_len, *u.answer_lens] for u in drawn]
+    assert drawn != synthetic_pairs(4, 20, 8, data["model"]["vocab_size"], seed=0, spread=0.5)
     assert ours["status"] == "ok" and ours["tokens"] == sum(len(u.input_ids) for u in drawn) != 4 * 36
+    listed = ", ".join(f"{u.prompt_len}+{u.answer_lens[0]}+{u.answer_lens[1]}" for u in drawn)
+    output = " ".join(result.output.split())
     assert ("4 pairs a step, each a prompt of 20 tokens and two answers of 8; each length drawn within 50% "
-            "of these, uniformly (36 tokens packed in the middle") in " ".join(result.output.split())
+            "of these, uniformly (36 tokens packed in the middle") in output
+    assert f"drawn with seed 3, prompt+chosen+rejected: {listed}" in output
 
 
 def test_trl_rows_pad_the_same_spread_pairs_when_installed(tmp_path, monkeypatch):

@@ -4,7 +4,7 @@ the trainer's step (clipping, optimizer, schedule), on `bench step`'s synthetic 
 Findings: docs/PERF.md, "Preference training" (2026-11-25).
 
     python3 scripts/probes/preference.py [RECIPE] [--pairs N] [--prompt-len N] [--answer-len N]
-                                         [--length-spread F] [--set KEY=VALUE ...]
+                                         [--length-spread F] [--seed N] [--set KEY=VALUE ...]
     # (recipes/bench/llama-3.2-1b-dpo.yaml, 2830, 1190)
 
 The run, pairs and micro-batches are `bench step`'s `ligertune` row's (`bench.preference`). After two
@@ -66,7 +66,7 @@ def main(args: argparse.Namespace) -> None:
 
     recipe = load_recipe(args.recipe, args.set)
     config = StepBenchConfig(pairs=args.pairs, prompt_len=args.prompt_len, answer_len=args.answer_len,
-                             length_spread=args.length_spread, measure_matmul=False)
+                             length_spread=args.length_spread, seed=args.seed, measure_matmul=False)
     device, report = new_report(recipe, config, str(args.recipe), print)
     bench = PreferenceStepBench(recipe, config, device, tokenizer_vocab(recipe), report, print)
     bench.shape = pair_shape(recipe, config)
@@ -179,6 +179,7 @@ if __name__ == "__main__":
     parser.add_argument("--prompt-len", type=int, default=2830)
     parser.add_argument("--answer-len", type=int, default=1190)
     parser.add_argument("--length-spread", type=float, default=None, help="as bench step's")
+    parser.add_argument("--seed", type=int, default=0, help="as bench step's")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--peers", action="store_true",
                         help="also profile a step of TRL's trainer and of TRL + Liger's (trl, liger-kernel)")

@@ -1,7 +1,7 @@
 """Measures where a preference step's time goes: the reference pass, forward, backward, and the rest of
 the trainer's step (clipping, optimizer, schedule), on `bench step`'s synthetic pairs (a GPU).
 
-Findings: docs/PERF.md, "Preference training" (2026-11-25).
+Findings: docs/PERF.md, "Preference training" (2026-11-25) and the sixteenth run (2026-11-29).
 
     python3 scripts/probes/preference.py [RECIPE] [--pairs N] [--prompt-len N] [--answer-len N]
                                          [--length-spread F] [--seed N] [--set KEY=VALUE ...]

@@ -10,6 +10,8 @@ bench step's synthetic chat conversations, packed best-fit). Variants, on the sa
     ligertune             packed_attention_forward as training runs it (SDPA over rows for equal
                           lengths, varlen FlashAttention otherwise)
     varlen FlashAttention torch's varlen_attn (on a torch without enable_gqa, heads repeated first)
+    varlen, grouped heads aten's FlashAttention 2 varlen kernel called directly with the key and value
+                          heads in place (what varlen_attn's enable_gqa does on later torches)
     cuDNN ragged          aten's cuDNN attention over cu_seqlens (THD layout, grouped heads in place)
     SDPA rows             causal SDPA over [4, 4096] rows (equal lengths only; cuDNN on Hopper)
     flex attention        torch.compile'd flex_attention with a causal document block mask
@@ -57,6 +59,30 @@ class _CudnnRagged(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+class _FlashVarlenGrouped(torch.autograd.Function):
+    """aten's FlashAttention 2 varlen kernel with the key and value heads as they are (grouped query
+    heads read them in place; `varlen_attn` on torch 2.11 has no `enable_gqa`, so training repeats
+    them first): q [T, Hq, D], k/v [T, Hk, D]."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, max_len, scale):
+        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, max_len, max_len, 0.0, True, False, scale=scale
+        )
+        ctx.save_for_backward(q, k, v, out, lse, cu, rng, unused)
+        ctx.max_len, ctx.scale = max_len, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, cu, rng, unused = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_len, ctx.max_len, 0.0, True, rng, unused,
+            scale=ctx.scale,
+        )
+        return dq, dk, dv, None, None, None
+
+
 def layouts() -> dict[str, torch.Tensor]:
     from ligertune.bench.synthetic import synthetic_conversations
     from ligertune.data.batching import collate
@@ -92,6 +118,9 @@ def variants(cu: torch.Tensor, scale: float) -> list[tuple[str, callable]]:
     def cudnn_ragged(q, k, v):
         return _CudnnRagged.apply(q, k, v, cu, max_len, scale)
 
+    def varlen_grouped(q, k, v):
+        return _FlashVarlenGrouped.apply(q, k, v, cu, max_len, scale)
+
     def per_sequence(q, k, v, dtype=None):
         outs = []
         for start, end in zip(cu_host[:-1].tolist(), cu_host[1:].tolist()):
@@ -102,7 +131,8 @@ def variants(cu: torch.Tensor, scale: float) -> list[tuple[str, callable]]:
             outs.append(o[0].transpose(0, 1))
         return torch.cat(outs)
 
-    out = [("ligertune", ligertune), ("varlen FlashAttention", varlen), ("cuDNN ragged", cudnn_ragged)]
+    out = [("ligertune", ligertune), ("varlen FlashAttention", varlen),
+           ("varlen, grouped heads", varlen_grouped), ("cuDNN ragged", cudnn_ragged)]
     if len(set(lengths)) == 1:
         rows = len(lengths)
 

@@ -27,6 +27,11 @@ DRAWN_SHOWN = 8
 """The drawn pairs whose lengths a preference report's header lists (the JSON has all of them)."""
 
 
+def counted(n: int, one: str, many: str | None = None) -> str:
+    """`n` and the noun for it: "1 pack", "2 packs"."""
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
 def fmt(value: float | None, spec: str = ".3g", suffix: str = "") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
@@ -219,8 +224,9 @@ def step_header(report) -> list[str]:
             lengths = ", ".join("+".join(map(str, unit)) for unit in p["drawn"][:DRAWN_SHOWN])
             more = f", ... ({len(p['drawn'])} in all)" if len(p["drawn"]) > DRAWN_SHOWN else ""
             lines.append(f"drawn with seed {p.get('seed', 0)}, {parts}: {lengths}{more}")
-        lines.append(f"ligertune: {p['packs']} packs of at most {report.max_seq_len} tokens in "
-                     f"{p['micro_batches']} micro-batches of {report.micro_batch_size}{ckpt}; "
+        lines.append(f"ligertune: {counted(p['packs'], 'pack')} of at most {report.max_seq_len} tokens in "
+                     f"{counted(p['micro_batches'], 'micro-batch', 'micro-batches')} of "
+                     f"{report.micro_batch_size}{ckpt}; "
                      f"{report.warmup} warm-up + {report.steps} timed steps")
     elif report.context:
         lines.append(f"batch: one conversation a step, from {report.max_seq_len:,} tokens up to "

@@ -92,6 +92,7 @@ def test_dpo_recipe_is_timed_in_pairs_with_its_reference_pass(tmp_path, no_peers
     assert [len(p) for p in passes] == [2, REFERENCE_PASS_PACKS, REFERENCE_PASS_PACKS]
     assert [p.input_ids for p in passes[1]] == [p.input_ids for p in passes[0]] * (REFERENCE_PASS_PACKS // 2)
     assert "2 pairs a step, each a prompt of 32 tokens and two answers of 16" in result.output
+    assert "ligertune: 2 packs of at most 64 tokens in 1 micro-batch of 2" in result.output
     assert "pairs/s" in result.output and "TRL DPOTrainer: not installed" in result.output
 
 

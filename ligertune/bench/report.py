@@ -227,13 +227,14 @@ def step_header(report) -> list[str]:
         lines.append(f"ligertune: {counted(p['packs'], 'pack')} of at most {report.max_seq_len} tokens in "
                      f"{counted(p['micro_batches'], 'micro-batch', 'micro-batches')} of "
                      f"{report.micro_batch_size}{ckpt}; "
-                     f"{report.warmup} warm-up + {report.steps} timed steps")
+                     f"{report.warmup} warm-up + {counted(report.steps, 'timed step')}")
     elif report.context:
         lines.append(f"batch: one conversation a step, from {report.max_seq_len:,} tokens up to "
-                     f"{report.context['limit']:,}{ckpt}; {report.warmup} warm-up + {report.steps} timed steps")
+                     f"{report.context['limit']:,}{ckpt}; {report.warmup} warm-up + "
+                     f"{counted(report.steps, 'timed step')}")
     else:
         lines.append(f"batch: {report.micro_batch_size} x {report.max_seq_len} tokens{ckpt}; "
-                     f"{report.warmup} warm-up + {report.steps} timed steps")
+                     f"{report.warmup} warm-up + {counted(report.steps, 'timed step')}")
     if report.kernels:
         lines.append(f"ligertune kernels: {report.kernels}")
     references = [f"{row.name}: {row.reference}" for row in report.rows if row.reference]

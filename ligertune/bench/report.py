@@ -11,6 +11,7 @@ from typing import Any
 from rich.table import Table
 
 from ligertune.bench.shapes import FLOP_RATED
+from ligertune.data.stats import counted
 from ligertune.errors import UserError
 
 KERNEL_TITLES = {
@@ -25,11 +26,6 @@ KERNEL_TITLES = {
 }
 DRAWN_SHOWN = 8
 """The drawn pairs whose lengths a preference report's header lists (the JSON has all of them)."""
-
-
-def counted(n: int, one: str, many: str | None = None) -> str:
-    """`n` and the noun for it: "1 pack", "2 packs"."""
-    return f"{n} {one if n == 1 else many or one + 's'}"
 
 
 def fmt(value: float | None, spec: str = ".3g", suffix: str = "") -> str:

@@ -126,6 +126,12 @@ def length_histogram(lengths: Sequence[int], max_len: int) -> list[LengthBucket]
     return [LengthBucket(edges[b], edges[b + 1] - 1, counts[b]) for b in range(len(edges) - 1)]
 
 
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """`n` and its noun, for a user's eyes: "1 pack", "2,048 packs"; `plural` where adding an s is
+    not it ("micro-batches")."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
+
+
 def compact_count(n: int) -> str:
     """`n` in three figures: 1234 -> 1.23k, 310000 -> 310k."""
     for unit, size in (("G", 10**9), ("M", 10**6), ("k", 10**3)):

@@ -31,6 +31,7 @@ from torch import nn
 from ligertune import models
 from ligertune.data import Pack, PreparedData, TokenizedExample, pack, packs_digest, prepare_data
 from ligertune.data.preference import PreferenceStats, PreparedPreferences, load_preferences, pack_preferences
+from ligertune.data.stats import counted
 from ligertune.data.prepare import hold_out, take, target_counts
 from ligertune.devices import resolve_device, resolve_dtype
 from ligertune.distributed import Topology
@@ -190,14 +191,15 @@ def preference_warnings(recipe: Recipe, read: list[tuple[str, PreferenceStats]],
     for where, st in read:
         if st.bad_records:
             first = f"; the first: {st.bad_record_examples[0]}" if st.bad_record_examples else ""
-            found.append(f"data.on_bad_record: skipped {_count(st.bad_records, 'malformed record')} of {where}{first}")
+            skipped = counted(st.bad_records, 'malformed record')
+            found.append(f"data.on_bad_record: skipped {skipped} of {where}{first}")
         too_long = st.dropped.get("too_long", 0)
         if too_long:
-            found.append(f"data.max_seq_len: dropped {_count(too_long, 'preference record')} of {where} longer "
-                         f"than {cfg.max_seq_len} tokens (prompt and answers together)")
+            found.append(f"data.max_seq_len: dropped {counted(too_long, 'preference record')} of {where} "
+                         f"longer than {cfg.max_seq_len} tokens (prompt and answers together)")
         unscored = sum(n for reason, n in st.dropped.items() if reason != "too_long")
         if unscored:
-            found.append(f"data: dropped {_count(unscored, 'preference record')} of {where} with an answer "
+            found.append(f"data: dropped {counted(unscored, 'preference record')} of {where} with an answer "
                          "of no scored token")
     if not held_out and cfg.eval_fraction > 0:
         found.append(f"data.eval_fraction: {cfg.eval_fraction:g} held out no preference record (at least 2 "
@@ -217,19 +219,20 @@ def data_warnings(recipe: Recipe, prepared: PreparedData) -> list[str]:
     found = []
     if stats.bad_records:
         first = f"; the first: {stats.bad_record_examples[0]}" if stats.bad_record_examples else ""
-        found.append(f"data.on_bad_record: skipped {_count(stats.bad_records, 'malformed record')}{first}")
+        found.append(f"data.on_bad_record: skipped {counted(stats.bad_records, 'malformed record')}{first}")
     too_long = stats.dropped.get("too_long", 0)
     if too_long:
         why = "data.truncation: drop" if cfg.truncation == "drop" else "not even their first answer fits"
-        found.append(f"data.max_seq_len: dropped {_count(too_long, 'conversation')} longer than "
+        found.append(f"data.max_seq_len: dropped {counted(too_long, 'conversation')} longer than "
                      f"{cfg.max_seq_len} tokens ({why})")
     truncated = sum(stats.truncated.values())
     if truncated:
-        found.append(f"data.truncation: shortened {_count(truncated, 'conversation')} longer than "
-                     f"data.max_seq_len ({cfg.max_seq_len} tokens) by {_count(stats.turns_removed, 'trailing turn')}")
+        found.append(f"data.truncation: shortened {counted(truncated, 'conversation')} longer than "
+                     f"data.max_seq_len ({cfg.max_seq_len} tokens) by "
+                     f"{counted(stats.turns_removed, 'trailing turn')}")
     untrained = stats.dropped.get("no_trained_tokens", 0)
     if untrained:
-        found.append(f"data.train_on: dropped {_count(untrained, 'conversation')} with no trained token "
+        found.append(f"data.train_on: dropped {counted(untrained, 'conversation')} with no trained token "
                      f"(train_on: {cfg.train_on})")
     if not prepared.eval and cfg.eval_fraction > 0:
         found.append(f"data.eval_fraction: {cfg.eval_fraction:g} held out no conversation (a source needs at "
@@ -238,10 +241,6 @@ def data_warnings(recipe: Recipe, prepared: PreparedData) -> list[str]:
         found.append("train.eval_every: there is no held-out data (data.eval_path or data.eval_fraction): "
                      "no evaluation will run")
     return found
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n:,} {noun}{'s' * (n != 1)}"
 
 
 def check_max_seq_len(recipe: Recipe, *, vocab_size: int | None) -> None:

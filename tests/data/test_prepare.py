@@ -12,6 +12,7 @@ from chat_fixtures import conversation, make_tokenizer, write_jsonl
 from ligertune.data import prepare as prepare_module
 from ligertune.data import prepare_data, read_conversations, tokenize_conversation
 from ligertune.data.prepare import TokenizeSettings, make_pool, tokenize_conversations
+from ligertune.data.stats import compact_count, counted
 from ligertune.errors import DataError
 from ligertune.recipe import DataConfig, DataSource
 
@@ -274,3 +275,10 @@ def test_the_system_prompt_opens_every_conversation_without_one_and_keys_the_cac
     plain = prepare(config(path, cache_dir=str(tmp_path / "cache")), chatml)
     assert not plain.stats.sources[0].cached  # another system prompt, another cache entry
     assert plain.train[0].input_ids == tokenize_conversation(chatml, first).input_ids
+
+
+def test_counts_read_as_a_user_reads_them():
+    assert [counted(n, "pack") for n in (0, 1, 2, 2048)] == ["0 packs", "1 pack", "2 packs", "2,048 packs"]
+    assert counted(1, "micro-batch", "micro-batches") == "1 micro-batch"
+    assert counted(3, "micro-batch", "micro-batches") == "3 micro-batches"
+    assert [compact_count(n) for n in (999, 1234, 310_000, 2_500_000_000)] == ["999", "1.23k", "310k", "2.5G"]

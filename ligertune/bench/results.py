@@ -157,7 +157,8 @@ class StepReport:
     rows: list[StepRow] = field(default_factory=list)
     pairs: dict[str, Any] | None = None
     """A preference recipe's synthetic pairs: `objective`, `pairs` per step, `prompt_len`,
-    `answer_len`, `length_spread`, `packs`, `micro_batches` (None for other objectives)."""
+    `answer_len`, `length_spread`, `seed`, `packs`, `micro_batches`, and with a spread the `drawn`
+    lengths of each pair (prompt, then its answers; None without) (None for other objectives)."""
     context: dict[str, Any] | None = None
     """`bench step --max-context`: the `limit`, the `longest` single conversation that trained
     (None: none did), and its `tokens_per_s` and `peak_mem_gib`."""

@@ -12,8 +12,11 @@ from ligertune.models.attention import (
     _causal_rows as causal_rows,
 )
 from ligertune.models.attention import (
+    _grouped_flash_available,
+    _GroupedFlashVarlen,
     _varlen_applies,
     block_causal_mask,
+    end_aligned_causal_mask,
     equal_segments,
     segment_ids_from_position_ids,
 )
@@ -230,3 +233,41 @@ def test_packed_bf16_model_on_cuda_matches_each_conversation_alone(family):
     logits = packed(batch.input_ids, position_ids=batch.position_ids, **kwargs).logits[0].float()
     expected = alone_logits(reference, batch)
     assert (logits - expected).norm() / expected.norm() < 2e-2
+
+
+@CUDA
+@pytest.mark.skipif(not _grouped_flash_available(), reason="this torch has no aten FlashAttention ops")
+@pytest.mark.parametrize(
+    ("query_lengths", "key_lengths"),
+    [([37, 11, 64, 5, 20], None), ([9, 5, 5], [9, 14, 14])],
+    ids=["segments", "own-key-rows"],
+)
+def test_grouped_flash_varlen_matches_repeated_heads_in_fp32(query_lengths, key_lengths):
+    """FlashAttention reading grouped key/value heads in place: its output and the gradients of queries,
+    keys and values against fp32 attention with the heads repeated and the end-aligned causal mask."""
+    key_lengths = key_lengths or query_lengths
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+                  for n in (query_lengths, key_lengths))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(sum(query_lengths), 8, 64, device="cuda", generator=gen)
+    k, v = (torch.randn(sum(key_lengths), 2, 64, device="cuda", generator=gen) for _ in range(2))
+    grad = torch.randn_like(q)
+
+    def run(attend, dtype):
+        leaves = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+        out = attend(*leaves)
+        out.backward(grad.to(dtype))
+        return [out.float()] + [x.grad.float() for x in leaves]
+
+    def grouped(qs, ks, vs):
+        return _GroupedFlashVarlen.apply(qs, ks, vs, cu_q, cu_k, max(query_lengths), max(key_lengths), 0.2)
+
+    def repeated(qs, ks, vs):
+        ks, vs = (x.repeat_interleave(4, dim=1).transpose(0, 1)[None] for x in (ks, vs))
+        out = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], ks, vs, scale=0.2,
+                                             attn_mask=end_aligned_causal_mask(cu_q, cu_k))
+        return out[0].transpose(0, 1)
+
+    for name, got, expected in zip(("out", "dq", "dk", "dv"), run(grouped, torch.bfloat16),
+                                   run(repeated, torch.float32)):
+        assert (got - expected).norm() / expected.norm() < 1e-2, name

@@ -12,11 +12,12 @@ example's (`synthetic_kto`), desirable and undesirable in turn:
                               and the rejected answer: `pack_preferences`), micro-batches of
                               `train.micro_batch_size` packs, each step `train_step(run, batches)`.
                               With `objective.reference: precomputed` (dpo, ipo and kto's default)
-                              the reference pass of `train` (`compute_reference_logps`: one pack per
-                              forward, no gradient) is timed on its own over the same pairs (repeated
-                              to at least `REFERENCE_PASS_PACKS` packs a pass, as `train` runs it once
-                              over all of its packs, then divided down to the step's), and its time
-                              is added to the step's: it serves each pair once, as the step does.
+                              the reference pass of `train` (`compute_reference_logps`: a
+                              micro-batch of packs a forward, no gradient) is timed on its own over
+                              the same pairs (repeated to at least `REFERENCE_PASS_PACKS` packs a
+                              pass, as `train` runs it once over all of its packs, then divided down
+                              to the step's), and its time is added to the step's: it serves each
+                              pair once, as the step does.
                               `live` scores the reference inside the step.
     TRL DPOTrainer            TRL's trainer on the same model (sdpa attention) and the same pairs as
                               a `datasets.Dataset` of token ids: sigmoid loss (ipo: its ipo loss),
@@ -203,10 +204,9 @@ class PreferenceStepBench(StepBench):
             fused = "on" if run.head.fused else "off"
             self.report.kernels = f"{built.patches.describe()}; fused loss: {fused}"
             packs = self._packs()
-            mode = recipe.objective.reference_mode
+            mode, size = recipe.objective.reference_mode, recipe.train.micro_batch_size
             if mode == "precomputed":  # as `train` does before its first step (and warming the kernels up)
-                compute_reference_logps(run.engine, packs, self.device)
-            size = recipe.train.micro_batch_size
+                compute_reference_logps(run.engine, packs, self.device, packs_per_forward=size)
             batches = [collate_preferences(packs[i : i + size]).to(self.device)
                        for i in range(0, len(packs), size)]
             if isinstance(run.checkpointing, CheckpointPlanner):
@@ -240,11 +240,11 @@ class PreferenceStepBench(StepBench):
 
         repeats = -(-REFERENCE_PASS_PACKS // len(packs))
         copies = [dataclasses.replace(p, reference_logps=None) for p in packs * repeats]
-        times = []
+        times, size = [], self.recipe.train.micro_batch_size
         for _ in range(self.config.steps):
             synchronize(self.device)
             start = time.perf_counter()
-            compute_reference_logps(run.engine, copies, self.device)
+            compute_reference_logps(run.engine, copies, self.device, packs_per_forward=size)
             synchronize(self.device)
             times.append((time.perf_counter() - start) * 1e3 / repeats)
         return statistics.median(times)

@@ -6,23 +6,24 @@ DPO, IPO and KTO measure the policy against a reference pi_ref: the starting mod
 `precomputed` (the default): those sums never change during a run, so they are computed ONCE, before
 the first update, by the model being trained: it *is* the starting model then (with LoRA, the base
 with its new adapters, whose B matrices start at zero: the base model itself), in eval mode under
-`torch.no_grad()`, one pack at a time (so they do not depend on `train.micro_batch_size`), and
-attached to every pack (`PreferencePack.reference_logps`, carried by `collate_preferences` into
-`PreferenceBatch.reference_logps`). No second model is held in memory. With several processes each
-rank scores every world-th pack and the values are gathered (every rank runs as many forwards:
-sharded layers gather their weights together). Each pack is scored whole: a KTO example's prompt
-runs once, its completion and mismatched completion each attending to it, where the policy's two
-passes run the prompt once each (`PreferenceBatch.kto_parts`); the same values, to the rounding of
-the computation rather than to the bit, for 35% fewer tokens at a 2,830-token prompt and completions
-of 1,190.
+`torch.no_grad()`, as many packs a forward as a training micro-batch holds (memory the step needs
+anyway, with no activations kept; one pack a forward left the device waiting on the host between
+small kernels: docs/PERF.md), and attached to every pack (`PreferencePack.reference_logps`, carried
+by `collate_preferences` into `PreferenceBatch.reference_logps`). No second model is held in memory.
+With several processes each rank scores every world-th pack and the values are gathered (every rank
+runs as many forwards: sharded layers gather their weights together). Each pack is scored whole: a
+KTO example's prompt runs once, its completion and mismatched completion each attending to it, where
+the policy's two passes run the prompt once each (`PreferenceBatch.kto_parts`); the same values, to
+the rounding of the computation rather than to the bit, for 35% fewer tokens at a 2,830-token prompt
+and completions of 1,190.
 
 They are kept in two places, as JSON (each float32 value written as the shortest decimal that reads
 back to the same number, so they stay exact):
 - the data cache (`data.cache_dir/reference/`), under a key of everything that decides them: the
   model's identity (its config and seed, or its weight files' names, sizes and times), the recipe's
-  `model`, `kernels` and `lora` sections, the packs' tokens and scored positions, the device, the
-  number of processes and the versions of torch and transformers. A repeated run with the same model
-  and data reads them back instead of scoring again.
+  `model`, `kernels` and `lora` sections, the packs' tokens and scored positions, the packs a
+  forward, the device, the number of processes and the versions of torch and transformers. A
+  repeated run with the same model and data reads them back instead of scoring again.
 - the run's folder (`reference_logps.json`), since after training the starting model is gone: a
   resumed run reads them from there; their count must match the packs' answers.
 
@@ -74,25 +75,31 @@ def score_answers(engine: nn.Module, batch) -> torch.Tensor:
 
 @torch.no_grad()
 def compute_reference_logps(engine: nn.Module, packs: Sequence[PreferencePack], device: torch.device,
-                            topology: Topology | None = None) -> None:
+                            topology: Topology | None = None, *, packs_per_forward: int = 1) -> None:
     """Fill `reference_logps` of every pack with `engine`'s sums of log p of its answers (eval mode,
-    no gradient, one pack per forward); the engine's training mode is restored after. With several
-    processes, rank r scores packs r, r + world, ... and every rank receives all of them."""
+    no gradient, `packs_per_forward` packs a forward); the engine's training mode is restored after.
+    With several processes, rank r scores packs r, r + world, ... and every rank receives all of them."""
     world, rank = (topology.world_size, topology.rank) if topology is not None else (1, 0)
     share = list(packs[rank::world])
-    forwards = -(-len(packs) // world)  # every rank runs as many: the short ones score a pack again
+    per_rank = -(-len(packs) // world)
+    forwards = -(-per_rank // packs_per_forward)  # every rank runs as many: the short ones score a pack again
     was_training = engine.training
     engine.eval()
     try:
-        scored = []  # kept on the device until the end: the host collates the next pack meanwhile
+        scored = []  # kept on the device until the end: the host collates the next packs meanwhile
         for i in range(forwards):
-            pack = share[i] if i < len(share) else packs[0]
-            batch = collate_preferences([dataclasses.replace(pack, reference_logps=None)]).to(device)
+            group = share[i * packs_per_forward : (i + 1) * packs_per_forward] or [packs[0]]
+            unscored = [dataclasses.replace(p, reference_logps=None) for p in group]
+            batch = collate_preferences(unscored).to(device)
             scored.append(score_answers(engine, batch))
     finally:
         engine.train(was_training)
-    values = [v.tolist() for v in torch.cat(scored).cpu().split([len(v) for v in scored])] if scored else []
-    for r, scored in enumerate(gather_objects(values[:len(share)]) if world > 1 else [values]):
+    flat = torch.cat(scored).tolist() if scored else []
+    values, start = [], 0
+    for pack in share:  # the answers in pack order; a short rank's repeats come after them
+        values.append(flat[start : start + pack.num_answers])
+        start += pack.num_answers
+    for r, scored in enumerate(gather_objects(values) if world > 1 else [values]):
         for i, pack_values in enumerate(scored):
             packs[r + i * world].reference_logps = pack_values
 
@@ -194,6 +201,7 @@ def reference_key(recipe, train: Sequence[PreferencePack], held_out: Sequence[Pr
                      for name in ("model", "kernels", "lora")},
         "data": packs_digest([*train, *held_out]),
         "split": len(train),
+        "packs_per_forward": recipe.train.micro_batch_size,
         "device": device_name(device),
         "world_size": world_size,
         "versions": [torch.__version__, transformers.__version__],

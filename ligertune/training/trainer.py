@@ -238,7 +238,8 @@ def attach_reference(run: Run, *, resumed: bool) -> None:
     else:
         with run.meter.excluded():
             started = time.perf_counter()
-            compute_reference_logps(run.engine, [*data.train_packs, *data.eval_packs], run.device, run.topology)
+            compute_reference_logps(run.engine, [*data.train_packs, *data.eval_packs], run.device,
+                                    run.topology, packs_per_forward=run.recipe.train.micro_batch_size)
             synchronize(run.device)
             seconds = time.perf_counter() - started
         if run.topology.is_main and cached is not None:

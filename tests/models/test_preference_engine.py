@@ -17,6 +17,7 @@ from ligertune.data.preference import make_preference_pack
 from ligertune.models import CausalLMLoss
 from ligertune.numerics import relative_error
 from ligertune.objectives.preference import Preference, PreferenceConfig, dpo_loss, kto_loss, pair_answers
+from ligertune.objectives.reference import compute_reference_logps
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "logits"])
@@ -61,6 +62,25 @@ def test_preference_forward_runs_the_engine_and_reads_the_reference():
     assert out.loss.item() == pytest.approx(want.item(), rel=1e-5)
     out.loss.backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in head.model.parameters())
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("packs_per_forward", [1, 2, 5])
+def test_reference_pass_gives_each_pack_its_answers_alone(case, packs_per_forward):
+    """The reference pass, any number of packs a forward (a last forward short of packs too): each
+    pack's values are its answers' sums of log p, each answer alone."""
+    shapes, kto, groups = CASES[case]
+    units = make_units(shapes, kto)
+    packs = [make_preference_pack(units, g) for g in groups]
+    head = CausalLMLoss(float64_model("llama"))
+    head.train()
+    compute_reference_logps(head, packs, torch.device("cpu"), packs_per_forward=packs_per_forward)
+    assert head.training
+    expected = alone_logprobs(float64_model("llama", attention="sdpa"), conversations(units, groups))
+    got = [v for pack in packs for v in pack.reference_logps]
+    assert [len(p.reference_logps) for p in packs] == [p.num_answers for p in packs]
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64),
+                               torch.stack([e.sum() for e in expected]), rtol=1e-5, atol=1e-5)
 
 
 KTO_MISMATCHED_SHAPES = [(5, 4, 6), (3, 6, 2), (6, 2, 4), (2, 5, 4)]  # prompt, completion, mismatched

@@ -8,10 +8,12 @@ Two layouts of 4 x 4096 tokens in one flattened row, bf16, Hq 32, Hk 8, D 64 (Ll
 bench step's synthetic chat conversations, packed best-fit). Variants, on the same inputs:
 
     ligertune             packed_attention_forward as training runs it (SDPA over rows for equal
-                          lengths, varlen FlashAttention otherwise)
-    varlen FlashAttention torch's varlen_attn (on a torch without enable_gqa, heads repeated first)
+                          lengths, varlen FlashAttention with grouped heads otherwise)
+    varlen, heads repeated  torch's varlen_attn with the key and value heads repeated first (the
+                          way of a torch whose varlen_attn has no enable_gqa, before grouped heads)
     varlen, grouped heads aten's FlashAttention 2 varlen kernel called directly with the key and value
-                          heads in place (what varlen_attn's enable_gqa does on later torches)
+                          heads in place (what training does there now; varlen_attn's enable_gqa on
+                          later torches)
     cuDNN ragged          aten's cuDNN attention over cu_seqlens (THD layout, grouped heads in place)
     SDPA rows             causal SDPA over [4, 4096] rows (equal lengths only; cuDNN on Hopper)
     flex attention        torch.compile'd flex_attention with a causal document block mask
@@ -112,8 +114,9 @@ def variants(cu: torch.Tensor, scale: float) -> list[tuple[str, callable]]:
                                                     **kwargs)
         return out[0]
 
-    def varlen(q, k, v):
-        return attention._varlen_attention(hf(q), hf(k), hf(v), cu, max_len, scale, None, HQ // HK)[0]
+    def varlen_repeated(q, k, v):
+        k, v = (x.repeat_interleave(HQ // HK, dim=1) for x in (k, v))
+        return attention._varlen_attention(hf(q), hf(k), hf(v), cu, max_len, scale, None, 1)[0]
 
     def cudnn_ragged(q, k, v):
         return _CudnnRagged.apply(q, k, v, cu, max_len, scale)
@@ -131,7 +134,7 @@ def variants(cu: torch.Tensor, scale: float) -> list[tuple[str, callable]]:
             outs.append(o[0].transpose(0, 1))
         return torch.cat(outs)
 
-    out = [("ligertune", ligertune), ("varlen FlashAttention", varlen),
+    out = [("ligertune", ligertune), ("varlen, heads repeated", varlen_repeated),
            ("varlen, grouped heads", varlen_grouped), ("cuDNN ragged", cudnn_ragged)]
     if len(set(lengths)) == 1:
         rows = len(lengths)

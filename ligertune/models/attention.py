@@ -590,8 +590,8 @@ class _GroupedFlashVarlen(torch.autograd.Function):
 
     For the torches whose `varlen_attn` has no `enable_gqa` (2.10, 2.11), which would otherwise take
     the heads repeated: aten's kernel itself takes Hk < Hq, and sparing the repeated copies and their
-    gradients' sum made attention 7-12% faster on an H200 (docs/PERF.md). Causal is aligned to the end
-    of each segment, as in `varlen_attn`.
+    gradients' sum made attention alone 6-14% faster on an H200 (docs/PERF.md). Causal is aligned to
+    the end of each segment, as in `varlen_attn`.
     """
 
     @staticmethod

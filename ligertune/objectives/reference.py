@@ -6,23 +6,24 @@ DPO, IPO and KTO measure the policy against a reference pi_ref: the starting mod
 `precomputed` (the default): those sums never change during a run, so they are computed ONCE, before
 the first update, by the model being trained: it *is* the starting model then (with LoRA, the base
 with its new adapters, whose B matrices start at zero: the base model itself), in eval mode under
-`torch.no_grad()`, as many packs a forward as a training micro-batch holds (memory the step needs
-anyway, with no activations kept; one pack a forward left the device waiting on the host between
-small kernels: docs/PERF.md), and attached to every pack (`PreferencePack.reference_logps`, carried
-by `collate_preferences` into `PreferenceBatch.reference_logps`). No second model is held in memory.
-With several processes each rank scores every world-th pack and the values are gathered (every rank
-runs as many forwards: sharded layers gather their weights together). Each pack is scored whole: a
-KTO example's prompt runs once, its completion and mismatched completion each attending to it, where
-the policy's two passes run the prompt once each (`PreferenceBatch.kto_parts`); the same values, to
-the rounding of the computation rather than to the bit, for 35% fewer tokens at a 2,830-token prompt
-and completions of 1,190.
+`torch.no_grad()`, and attached to every pack (`PreferencePack.reference_logps`, carried by
+`collate_preferences` into `PreferenceBatch.reference_logps`). No second model is held in memory.
+Training packs are scored as many a forward as a training micro-batch holds (memory the step needs
+anyway, with no activations kept; one a forward took 5-8% longer on the bench's DPO pairs:
+docs/PERF.md); held-out packs one a forward, as evaluation scores them, so that before the first
+step the policy's held-out sums are the reference's to the bit. With several processes each rank
+scores every world-th pack and the values are gathered (every rank runs as many forwards: sharded
+layers gather their weights together). Each pack is scored whole: a KTO example's prompt runs once,
+its completion and mismatched completion each attending to it, where the policy's two passes run the
+prompt once each (`PreferenceBatch.kto_parts`); the same values, to the rounding of the computation
+rather than to the bit, for 35% fewer tokens at a 2,830-token prompt and completions of 1,190.
 
 They are kept in two places, as JSON (each float32 value written as the shortest decimal that reads
 back to the same number, so they stay exact):
 - the data cache (`data.cache_dir/reference/`), under a key of everything that decides them: the
   model's identity (its config and seed, or its weight files' names, sizes and times), the recipe's
-  `model`, `kernels` and `lora` sections, the packs' tokens and scored positions, the packs a
-  forward, the device, the number of processes and the versions of torch and transformers. A
+  `model`, `kernels` and `lora` sections, the packs' tokens and scored positions, the training
+  packs a forward, the device, the number of processes and the versions of torch and transformers. A
   repeated run with the same model and data reads them back instead of scoring again.
 - the run's folder (`reference_logps.json`), since after training the starting model is gone: a
   resumed run reads them from there; their count must match the packs' answers.

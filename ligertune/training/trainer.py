@@ -238,8 +238,11 @@ def attach_reference(run: Run, *, resumed: bool) -> None:
     else:
         with run.meter.excluded():
             started = time.perf_counter()
-            compute_reference_logps(run.engine, [*data.train_packs, *data.eval_packs], run.device,
-                                    run.topology, packs_per_forward=run.recipe.train.micro_batch_size)
+            # Held-out packs one a forward, as evaluation scores them: the policy's sums before the
+            # first step are then the reference's to the bit (`ligertune.training.evaluation`).
+            compute_reference_logps(run.engine, data.train_packs, run.device, run.topology,
+                                    packs_per_forward=run.recipe.train.micro_batch_size)
+            compute_reference_logps(run.engine, data.eval_packs, run.device, run.topology)
             synchronize(run.device)
             seconds = time.perf_counter() - started
         if run.topology.is_main and cached is not None:

@@ -557,8 +557,8 @@ def _varlen_attention(
     if "enable_gqa" in params:
         options["enable_gqa"] = groups > 1
     elif groups > 1 and sliding_window is None and _grouped_flash_available():
-        out = _GroupedFlashVarlen.apply(flat(query), flat(key), flat(value), cu_seqlens, cu_seqlens_k, max_len,
-                                        int(max_len_k), scaling)
+        out = _GroupedFlashVarlen.apply(flat(query), flat(key), flat(value), cu_seqlens, cu_seqlens_k,
+                                        max_len, int(max_len_k), scaling)
         return out.view(batch, seq_len, heads, head_dim)
     else:
         key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
@@ -585,8 +585,8 @@ def _grouped_flash_available() -> bool:
 
 
 class _GroupedFlashVarlen(torch.autograd.Function):
-    """Causal FlashAttention 2 over varlen segments, the key and value heads read in place by their groups of
-    query heads: q [T, Hq, D], k/v [Tk, Hk, D] -> [T, Hq, D].
+    """Causal FlashAttention 2 over varlen segments, the key and value heads read in place by their
+    groups of query heads: q [T, Hq, D], k/v [Tk, Hk, D] -> [T, Hq, D].
 
     For the torches whose `varlen_attn` has no `enable_gqa` (2.10, 2.11), which would otherwise take
     the heads repeated: aten's kernel itself takes Hk < Hq, and sparing the repeated copies and their

@@ -48,14 +48,21 @@ def pair_boundaries(pairs):
 
 
 def _cudnn(q, k, v, causal, scale):
-    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
+                                                             scale=scale)
     return out[0], out[1], out[6], out[7]
 
 
 def _cudnn_backward(grad, q, k, v, out, lse, seed, offset, causal, scale):
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        grad, q, k, v, out, lse, seed, offset, None, None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale
+        grad, q, k, v, out, lse, seed, offset, None, None, None, q.shape[2], k.shape[2], 0.0, causal,
+        scale=scale,
     )
+
+
+def _pieces(start, p, c, r):
+    """The rows of a pair at `start`: prompt + chosen, prompt, rejected."""
+    return slice(start, start + p + c), slice(start, start + p), slice(start + p + c, start + p + c + r)
 
 
 class _CudnnPairs(torch.autograd.Function):
@@ -66,7 +73,7 @@ class _CudnnPairs(torch.autograd.Function):
         out = torch.empty_like(q.transpose(1, 2)).transpose(1, 2)
         saved, start = [], 0
         for p, c, r in pairs:
-            a, b, e = slice(start, start + p + c), slice(start, start + p), slice(start + p + c, start + p + c + r)
+            a, b, e = _pieces(start, p, c, r)
             o_a, lse_a, *rng_a = _cudnn(q[:, :, a], k[:, :, a], v[:, :, a], True, scale)
             o_1, lse_1, *rng_1 = _cudnn(q[:, :, e], k[:, :, b], v[:, :, b], False, scale)
             o_2, lse_2, *rng_2 = _cudnn(q[:, :, e], k[:, :, e], v[:, :, e], True, scale)
@@ -87,7 +94,7 @@ class _CudnnPairs(torch.autograd.Function):
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         start, scale = 0, ctx.scale
         for (p, c, r), (o_a, lse_a, rng_a, o_e, lse, rng_1, rng_2) in zip(ctx.pairs, ctx.saved):
-            a, b, e = slice(start, start + p + c), slice(start, start + p), slice(start + p + c, start + p + c + r)
+            a, b, e = _pieces(start, p, c, r)
             g_a = grad[:, :, a].contiguous().transpose(1, 2).contiguous().transpose(1, 2)
             g_e = grad[:, :, e].contiguous().transpose(1, 2).contiguous().transpose(1, 2)
             x = _cudnn_backward(g_a, q[:, :, a], k[:, :, a], v[:, :, a], o_a, lse_a, *rng_a, True, scale)
@@ -120,8 +127,8 @@ def main() -> None:
     rows = kwargs["key_index"]
 
     def ligertune(q, k, v):  # -> [1, Hq, T, D]
-        return attention.packed_attention_forward(torch.nn.Module(), q, k, v, None, scaling=scale, **kwargs)[0] \
-            .transpose(1, 2)
+        out, _ = attention.packed_attention_forward(torch.nn.Module(), q, k, v, None, scaling=scale, **kwargs)
+        return out.transpose(1, 2)
 
     def reference(q, k, v):
         k, v = (x.float().index_select(2, rows).repeat_interleave(HQ // HK, dim=1) for x in (k, v))

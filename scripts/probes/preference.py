@@ -129,6 +129,10 @@ def main(args: argparse.Namespace) -> None:
             show_profile(f"one step of TRL's trainer{' + Liger' if liger else ''}", profile_trl(bench, liger))
 
 
+SHOWN_KERNELS = {"attention": 4, "copy/elementwise": 6, "other": 3}
+"""The costliest kernels shown of each of these kinds (where the time beside the GEMMs goes)."""
+
+
 def show_profile(name: str, summary: ProfileSummary) -> None:
     kinds, kernels, gaps = summary
     busy = sum(kinds.values())
@@ -136,8 +140,9 @@ def show_profile(name: str, summary: ProfileSummary) -> None:
           f"{sum(ms for ms, _, _ in gaps):.1f} ms in {len(gaps)} gaps")
     for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1]):
         print(f"  {kind:20} {ms:8.1f} ms {100 * ms / busy:5.1f}%")
-    for kernel, ms, calls in [k for k in kernels if kind_of(k[0]) == "attention"][:4]:
-        print(f"  attention {ms:8.2f} ms {calls:5d}x  {kernel[:90]}")
+    for kind, shown in SHOWN_KERNELS.items():
+        for kernel, ms, calls in [k for k in kernels if kind_of(k[0]) == kind][:shown]:
+            print(f"  {kind:17} {ms:8.2f} ms {calls:5d}x  {kernel[:90]}")
     for ms, before, after in gaps[:4]:
         print(f"  idle {ms:6.2f} ms  {before[:50]}  ->  {after[:50]}")
 

@@ -166,6 +166,34 @@ def variants(cu: torch.Tensor, scale: float) -> list[tuple[str, callable]]:
     return out
 
 
+def outputs_and_gradients(fn, q, k, v, grad) -> list[torch.Tensor]:
+    """fn(q, k, v) and the gradients of q, k and v under `grad`, in float32."""
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = fn(*leaves)
+    out.backward(grad.to(out.dtype))
+    return [t.float() for t in (out, *(x.grad for x in leaves))]
+
+
+def checked_and_timed(fn, q, k, v, grad, expected: list[torch.Tensor]) -> str:
+    """A row's figures for attention `fn`: forward ms, forward + backward ms (medians of 20), and the
+    relative errors of its output and gradients against `expected`; or why it failed."""
+    try:
+        errors = [((a - b).norm() / b.norm()).item()
+                  for a, b in zip(outputs_and_gradients(fn, q, k, v, grad), expected)]
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+
+        def step():
+            for x in leaves:
+                x.grad = None
+            fn(*leaves).backward(grad)
+
+        fwd = measure(lambda: fn(q, k, v), device="cuda", repeats=20, memory=False).median_ms
+        both = measure(step, device="cuda", repeats=20, memory=False).median_ms
+        return f"{fwd:8.3f} {both:8.3f}  " + " / ".join(f"{e:.1e}" for e in errors)
+    except Exception as exc:
+        return f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("this benchmark needs CUDA")
@@ -179,32 +207,12 @@ def main() -> None:
         k, v = (torch.randn(total, HK, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
         grad = torch.randn(total, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
         candidates = variants(cu, D**-0.5)
-
-        def results(fn):
-            leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-            out = fn(*leaves)
-            out.backward(grad.to(out.dtype))
-            return [t.float() for t in (out, *(x.grad for x in leaves))]
-
-        reference = results(candidates[-1][1])
+        expected = outputs_and_gradients(candidates[-1][1], q, k, v, grad)
         for name, fn in candidates[:-1]:
             if isinstance(fn, Exception):
                 print(f"{layout:28} {name:24} unavailable: {type(fn).__name__}: {str(fn)[:80]}")
-                continue
-            try:
-                errors = [((a - b).norm() / b.norm()).item() for a, b in zip(results(fn), reference)]
-                leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-
-                def step(fn=fn, leaves=leaves):
-                    for x in leaves:
-                        x.grad = None
-                    fn(*leaves).backward(grad)
-
-                fwd = measure(lambda fn=fn: fn(q, k, v), device="cuda", repeats=20, memory=False).median_ms
-                both = measure(step, device="cuda", repeats=20, memory=False).median_ms
-                print(f"{layout:28} {name:24} {fwd:8.3f} {both:8.3f}  " + " / ".join(f"{e:.1e}" for e in errors))
-            except Exception as exc:
-                print(f"{layout:28} {name:24} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}")
+            else:
+                print(f"{layout:28} {name:24} {checked_and_timed(fn, q, k, v, grad, expected)}")
 
 
 if __name__ == "__main__":

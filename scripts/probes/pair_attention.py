@@ -22,11 +22,14 @@ Each is checked against the reference (output and the three gradients, relative 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from ligertune.bench.timing import measure
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention import checked_and_timed, outputs_and_gradients  # the packed-rows probe's
+
 from ligertune.models import attention
 
 HQ, HK, D = 32, 8, 64
@@ -137,29 +140,10 @@ def main() -> None:
     def merged(q, k, v):
         return _CudnnPairs.apply(q, k, v, PAIRS, scale)
 
-    def results(fn):
-        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-        out = fn(*leaves)
-        out.backward(grad.to(out.dtype))
-        return [t.float() for t in (out, *(x.grad for x in leaves))]
-
-    expected = results(reference)
+    expected = outputs_and_gradients(reference, q, k, v, grad)
     print(f"{'variant':24} {'fwd ms':>8} {'fwd+bwd':>8}  error out / dq / dk / dv")
     for name, fn in (("ligertune", ligertune), ("cuDNN, pieces merged", merged)):
-        try:
-            errors = [((a - b).norm() / b.norm()).item() for a, b in zip(results(fn), expected)]
-            leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-
-            def step(fn=fn, leaves=leaves):
-                for x in leaves:
-                    x.grad = None
-                fn(*leaves).backward(grad)
-
-            fwd = measure(lambda fn=fn: fn(q, k, v), device="cuda", repeats=20, memory=False).median_ms
-            both = measure(step, device="cuda", repeats=20, memory=False).median_ms
-            print(f"{name:24} {fwd:8.3f} {both:8.3f}  " + " / ".join(f"{e:.1e}" for e in errors))
-        except Exception as exc:
-            print(f"{name:24} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
+        print(f"{name:24} {checked_and_timed(fn, q, k, v, grad, expected)}")
 
 
 if __name__ == "__main__":

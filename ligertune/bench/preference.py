@@ -102,10 +102,12 @@ class PairShape:
 
 def check_pair_options(recipe: Recipe, config: StepBenchConfig) -> None:
     """The pair options belong to preference recipes."""
-    given = [f"--{name.replace('_', '-')}" for name in ("pairs", "prompt_len", "answer_len", "length_spread")
-             if getattr(config, name) is not None]
+    names = ("pairs", "prompt_len", "answer_len", "length_spread", "epochs")
+    given = [f"--{name.replace('_', '-')}" for name in names if getattr(config, name) is not None]
     if not recipe.objective.preference and given:
         raise UserError(f"{', '.join(given)}: these shape preference pairs; the recipe's objective is sft")
+    if config.epochs is not None and config.epochs < 1:
+        raise UserError(f"--epochs must be at least 1; got {config.epochs}")
 
 
 def pair_shape(recipe: Recipe, config: StepBenchConfig) -> PairShape:
@@ -132,10 +134,11 @@ def pair_shape(recipe: Recipe, config: StepBenchConfig) -> PairShape:
     return shape
 
 
-def pair_flops(model, packs: list[PreferencePack], *, reference: bool) -> float:
+def pair_flops(model, packs: list[PreferencePack], *, reference: float) -> float:
     """The model flops of a step over `packs` (`ligertune.flops`: each segment's queries times its
     keys for attention): the training forward and backward, KTO's forward without gradient over
-    the mismatched completions, and the reference's forward over the packs when `reference`."""
+    the mismatched completions, and the reference's forward over the packs, `reference` times (0:
+    none; 1: each step's own; 1/E: a precomputed pass spread over E epochs)."""
     from ligertune.training.step import squared_lengths
 
     batch = collate_preferences([dataclasses.replace(p, reference_logps=None) for p in packs])
@@ -150,7 +153,7 @@ def pair_flops(model, packs: list[PreferencePack], *, reference: bool) -> float:
     if mismatched is not None:  # KTO's pass over its mismatched completions
         flops += forward(mismatched)
     if reference:  # each pack whole, KTO's too (`compute_reference_logps`)
-        flops += forward(batch)
+        flops += reference * forward(batch)
     return flops
 
 
@@ -159,6 +162,7 @@ class PreferenceStepBench(StepBench):
 
     def run(self, *, ligertune: bool = True, peers: bool = True) -> None:
         self.shape = pair_shape(self.recipe, self.config)
+        self.epochs = self.config.epochs or 1
         if ligertune:
             self._guarded(LIGERTUNE, "synthetic", self._ligertune)
         if peers:
@@ -181,6 +185,7 @@ class PreferenceStepBench(StepBench):
             "length_spread": self.shape.spread, "seed": self.config.seed, "packs": len(packs),
             "micro_batches": math.ceil(len(packs) / size),
             "drawn": [[unit.prompt_len, *unit.answer_lens] for unit in units] if self.shape.spread else None,
+            "epochs": self.epochs,
         }
         return packs
 
@@ -215,18 +220,24 @@ class PreferenceStepBench(StepBench):
                         self.log(news)
             tokens = sum(len(p) for p in packs)
             row = self._time(LIGERTUNE, "synthetic", [lambda: train_step(run, batches)], tokens, [], model,
-                             flops=pair_flops(model, packs, reference=mode != "none"))
+                             flops=pair_flops(model, packs, reference=self._reference_share(mode)))
             if mode == "precomputed":
                 row.reference_ms = self._reference_ms(run, packs)
+                row.reference_epochs = self.epochs
                 if self.device.type == "cuda":  # the reference pass's peak too
                     row.peak_mem_gib = torch.cuda.max_memory_allocated(self.device) / 2**30
+            spread = f", spread over {self.epochs} epochs" if self.epochs > 1 else ""
             row.reference = {"precomputed": f"precomputed, its pass timed (ref ms: passes of at least "
-                                            f"{REFERENCE_PASS_PACKS} packs, per the step's)",
+                                            f"{REFERENCE_PASS_PACKS} packs, per the step's){spread}",
                              "live": "live, in the step"}.get(mode, "none")
             row.checkpointing = checkpointing_of(run)
             return [finish_pair_row(row, self.shape.pairs)]
         finally:
             unpatch_model(model)
+
+    def _reference_share(self, mode: str) -> float:
+        """The reference forwards a step counts: a precomputed pass serves every epoch once run."""
+        return {"precomputed": 1.0 / self.epochs, "live": 1.0}.get(mode, 0.0)
 
     def _reference_ms(self, run, packs: list[PreferencePack]) -> float:
         """Median time of `train`'s reference pass, per the step's packs (`steps` timed passes).
@@ -349,7 +360,7 @@ class PreferenceStepBench(StepBench):
             if self.device.type == "cuda":
                 peak = torch.cuda.max_memory_allocated(self.device) / 2**30
             row = StepRow(name, "synthetic", steps=len(clock.times), tokens=sum(len(p) for p in packs),
-                          step_ms=ms, peak_mem_gib=peak, flops=pair_flops(model, packs, reference=True),
+                          step_ms=ms, peak_mem_gib=peak, flops=pair_flops(model, packs, reference=1.0),
                           checkpointing="every layer" if recipe.train.gradient_checkpointing else "off",
                           reference="frozen copy, in the step" if reference is not None else
                           "adapters off, in the step")
@@ -357,8 +368,8 @@ class PreferenceStepBench(StepBench):
 
 
 def finish_pair_row(row: StepRow, pairs: int) -> StepRow:
-    """A preference row's rates: its pairs over the step's time plus the reference pass's."""
-    seconds = (row.step_ms + (row.reference_ms or 0.0)) * 1e-3
+    """A preference row's rates: its pairs over the step's time plus its share of the reference pass."""
+    seconds = row.time_ms * 1e-3
     row.pairs = pairs
     row.pairs_per_s = pairs / seconds
     row.tokens_per_s = row.tokens / seconds

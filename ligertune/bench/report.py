@@ -259,9 +259,11 @@ def step_table(report) -> Table:
     notes = [f"* {row.name}: {_status_text(row)}" for row in report.rows if row.status != "ok"]
     pairs = report.pairs is not None
     unit = rated(report)
-    title = (f"preference step: {unit}/s = {unit} / (step ms + reference ms), the reference pass spread over "
-             f"the {unit} it serves" if pairs else "training step (chat rows: one pass over all micro-batches, "
-             "real tokens only)")
+    epochs = (report.pairs or {}).get("epochs", 1)
+    share = f"reference ms / {epochs}" if epochs > 1 else "reference ms"
+    served = f"the {unit} it serves in {epochs} epochs" if epochs > 1 else f"the {unit} it serves"
+    title = (f"preference step: {unit}/s = {unit} / (step ms + {share}), the reference pass spread over {served}"
+             if pairs else "training step (chat rows: one pass over all micro-batches, real tokens only)")
     table = Table(title=title, title_justify="left", title_style="bold",
                   caption=_escape("\n".join(notes)) or None, caption_justify="left")
     table.add_column("variant", overflow="fold", min_width=14)

@@ -105,8 +105,8 @@ class StepRow:
 
     Preference rows (a preference recipe) also give `pairs` per step, the time of the reference
     pass over those pairs (`reference_ms`, None where the reference runs inside the step) and
-    `pairs_per_s` = pairs / (step_ms + reference_ms): the reference pass spread over the pairs it
-    serves. Their `tokens` are the pairs' tokens as ligertune lays them out (the prompt once), for
+    `pairs_per_s` = pairs / (step_ms + reference_ms / reference_epochs): the reference pass, run
+    once before the first step, spread over the pairs it serves in the run's epochs. Their `tokens` are the pairs' tokens as ligertune lays them out (the prompt once), for
     every row, peers included, so tokens/s and MFU compare as pairs/s do.
     """
 
@@ -128,7 +128,13 @@ class StepRow:
     pairs: int | None = None
     pairs_per_s: float | None = None
     reference_ms: float | None = None
+    reference_epochs: int = 1  # the epochs over which one reference pass serves every pair
     reference: str | None = None  # where the reference log-probs come from, as the table says it
+
+    @property
+    def time_ms(self) -> float:
+        """The step's time with its share of the reference pass: what the row's rates divide by."""
+        return self.step_ms + (self.reference_ms or 0.0) / self.reference_epochs
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

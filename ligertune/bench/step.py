@@ -94,6 +94,7 @@ class StepBenchConfig:
     prompt_len: int | None = None
     answer_len: int | None = None
     length_spread: float | None = None  # each prompt's and answer's length drawn within this fraction
+    epochs: int | None = None  # the run's epochs, over which the precomputed reference pass is spread
 
 
 # --------------------------------------------------------------------------------------------------
@@ -163,12 +164,12 @@ def new_report(recipe: Recipe, config: StepBenchConfig, recipe_name: str,
 
 def compare(report: StepReport) -> None:
     """Fill in each row's MFU and its speed-up: synthetic rows against ligertune's, chat rows
-    against the packed one; synthetic rows first. A preference row's time includes its reference
-    pass (`reference_ms`), and its speed-up is in pairs/s."""
+    against the packed one; synthetic rows first. A preference row's time includes its share of the
+    reference pass (`StepRow.time_ms`), and its speed-up is in pairs/s."""
     peak, matmul = report.peak_tflops, report.matmul_tflops
     for row in report.rows:
         if row.tokens_per_s and row.flops is not None and row.step_ms:
-            rate = row.flops / ((row.step_ms + (row.reference_ms or 0.0)) * 1e-3) / 1e12
+            rate = row.flops / (row.time_ms * 1e-3) / 1e12
             row.mfu = rate / peak if peak else None
             row.mfu_measured = rate / matmul if matmul else None
     bases = {layout: next((r for r in report.rows if r.name == name and r.tokens_per_s), None)

@@ -203,6 +203,12 @@ def step(
     ] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic tokens, and of the lengths that "
                                       "--length-spread draws.")] = 0,
+    epochs: Annotated[
+        Optional[int], typer.Option("--epochs", metavar="N", show_default=False,
+                                    help="Preference recipes: the epochs of the run the rates stand for; "
+                                         "the reference pass, run once before the first step, is spread over "
+                                         "the pairs of all N (default 1).")
+    ] = None,
 ) -> None:
     """Time training steps of the recipe's model: ligertune, plain transformers, transformers + Liger.
 
@@ -248,7 +254,7 @@ def step(
                              warmup=default.warmup if warmup is None else warmup,
                              chat=chat, peers=peers, peak_tflops=peak_tflops, device_memory_gib=device_memory,
                              pairs=pairs, prompt_len=prompt_len, answer_len=answer_len,
-                             length_spread=length_spread, seed=seed)
+                             length_spread=length_spread, seed=seed, epochs=epochs)
     console = Console()
     progress = Console(stderr=True, highlight=False)
     log = lambda line: progress.print(f"[dim]{line}[/]")  # noqa: E731

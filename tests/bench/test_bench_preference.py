@@ -74,7 +74,7 @@ def test_dpo_recipe_is_timed_in_pairs_with_its_reference_pass(tmp_path, no_peers
     # Defaults: micro_batch_size x grad_accum_steps pairs, prompt max_seq_len / 2, answers max_seq_len / 4
     assert data["pairs"] == {"objective": "dpo", "pairs": 2, "prompt_len": 32, "answer_len": 16,
                              "length_spread": 0.0, "seed": 0, "packs": 2,
-                             "micro_batches": 1, "drawn": None}
+                             "micro_batches": 1, "drawn": None, "epochs": 1}
     rows = {row["name"]: row for row in data["rows"]}
     assert list(rows) == ["ligertune", "TRL DPOTrainer", "TRL DPOTrainer + Liger"]  # no chat rows, no HF rows
     ours = rows["ligertune"]
@@ -96,6 +96,28 @@ def test_dpo_recipe_is_timed_in_pairs_with_its_reference_pass(tmp_path, no_peers
     assert "pairs/s" in result.output and "TRL DPOTrainer: not installed" in result.output
 
 
+def test_epochs_spread_the_reference_pass_over_the_pairs_of_every_epoch(tmp_path, no_peers, monkeypatch):
+    """`--epochs 3`: the pass, run once before the first step, serves each pair three times: a third
+    of its time (and of its flops) goes with each step; the table and the JSON say so."""
+    monkeypatch.setenv("COLUMNS", "200")
+    out = tmp_path / "step.json"
+    result = run_cli(str(write(tmp_path)), "--steps", "1", "--warmup", "0", "--epochs", "3", "--json", str(out))
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    data = json.loads(out.read_text())
+    assert data["pairs"]["epochs"] == 3
+    ours = data["rows"][0]
+    assert ours["reference_epochs"] == 3 and ours["reference"].endswith("spread over 3 epochs")
+    assert ours["pairs_per_s"] == pytest.approx(2 / ((ours["step_ms"] + ours["reference_ms"] / 3) * 1e-3))
+    assert "pairs / (step ms + reference ms / 3), the reference pass spread over the pairs it serves in 3 " \
+           "epochs" in " ".join(result.output.split())
+    recipe = load_recipe(write(tmp_path))
+    one = run_step_bench(recipe, StepBenchConfig(steps=1, warmup=0, measure_matmul=False, peers=False))
+    f = StepFlops.of(build_model(recipe.model, device="cpu", vocab_size=311))
+    # The reference's forward over a pack: the prompt (32 queries, 32 keys), each answer (16 queries, 48 keys).
+    reference = 2.0 * f.matmul_params * 2 * 64 + 2.0 * f.layers * f.heads * f.head_dim * 2 * (32 * 32 + 2 * 16 * 48)
+    assert one.rows[0].flops - ours["flops"] == pytest.approx(reference * (1 - 1 / 3))
+
+
 def test_pair_options_shape_the_pairs_and_packing_follows_the_recipe(tmp_path, no_peers):
     recipe = load_recipe(write(tmp_path))
     config = StepBenchConfig(steps=1, warmup=0, measure_matmul=False, pairs=5, prompt_len=10, answer_len=7)
@@ -103,7 +125,7 @@ def test_pair_options_shape_the_pairs_and_packing_follows_the_recipe(tmp_path, n
     # 24-token pairs, best-fit into packs of 64: two a pack, five pairs in three packs, two micro-batches
     assert report.pairs == {"objective": "dpo", "pairs": 5, "prompt_len": 10, "answer_len": 7,
                             "length_spread": 0.0, "seed": 0, "packs": 3,
-                            "micro_batches": 2, "drawn": None}
+                            "micro_batches": 2, "drawn": None, "epochs": 1}
     ours = report.rows[0]
     assert ours.status == "ok" and ours.pairs == 5 and ours.tokens == 5 * 24
 
@@ -138,6 +160,7 @@ def test_trl_rows_are_skipped_for_losses_trl_trains_elsewhere(tmp_path, monkeypa
         pytest.param(["--prompt-len", "40", "--answer-len", "16"], "72 tokens, more than data.max_seq_len=64",
                      id="pair-too-long"),
         pytest.param(["--pairs", "0"], "must be at least 1", id="no-pairs"),
+        pytest.param(["--epochs", "0"], "--epochs must be at least 1; got 0", id="no-epochs"),
         pytest.param(["--length-spread", "1"], "--length-spread must be at least 0 and below 1; got 1.0",
                      id="spread-of-one"),
         pytest.param(["--prompt-len", "30", "--answer-len", "12", "--length-spread", "0.3"],
@@ -153,9 +176,9 @@ def test_bad_pair_options_are_one_clear_error(tmp_path, no_peers, args, message)
 def test_pair_options_on_an_sft_recipe_are_refused(tmp_path):
     path = tmp_path / "sft.yaml"
     path.write_text(RECIPE.replace("objective:\n  name: dpo\n", "").replace("  format: paired\n", ""))
-    result = run_cli(str(path), "--pairs", "2", "--answer-len", "3")
+    result = run_cli(str(path), "--pairs", "2", "--answer-len", "3", "--epochs", "2")
     assert result.exit_code == 2
-    assert "--pairs, --answer-len: these shape preference pairs; the recipe's objective is sft" in (
+    assert "--pairs, --answer-len, --epochs: these shape preference pairs; the recipe's objective is sft" in (
         " ".join(result.output.split()))
 
 
@@ -212,7 +235,7 @@ def test_kto_recipe_is_timed_in_examples_with_its_kl_pass_counted(tmp_path, no_p
     data = json.loads(out.read_text())
     assert data["pairs"] == {"objective": "kto", "pairs": 4, "prompt_len": 32, "answer_len": 16,
                              "length_spread": 0.0, "seed": 0, "packs": 4,
-                             "micro_batches": 2, "drawn": None}
+                             "micro_batches": 2, "drawn": None, "epochs": 1}
     rows = {row["name"]: row for row in data["rows"]}
     assert list(rows) == ["ligertune", "TRL KTOTrainer", "TRL KTOTrainer + Liger"]
     ours = rows["ligertune"]

@@ -101,11 +101,11 @@ class PairShape:
 
 
 def check_pair_options(recipe: Recipe, config: StepBenchConfig) -> None:
-    """The pair options belong to preference recipes."""
+    """The pair options (and `--epochs`) belong to preference recipes."""
     names = ("pairs", "prompt_len", "answer_len", "length_spread", "epochs")
     given = [f"--{name.replace('_', '-')}" for name in names if getattr(config, name) is not None]
     if not recipe.objective.preference and given:
-        raise UserError(f"{', '.join(given)}: these shape preference pairs; the recipe's objective is sft")
+        raise UserError(f"{', '.join(given)}: these are for preference pairs; the recipe's objective is sft")
     if config.epochs is not None and config.epochs < 1:
         raise UserError(f"--epochs must be at least 1; got {config.epochs}")
 

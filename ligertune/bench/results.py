@@ -106,8 +106,9 @@ class StepRow:
     Preference rows (a preference recipe) also give `pairs` per step, the time of the reference
     pass over those pairs (`reference_ms`, None where the reference runs inside the step) and
     `pairs_per_s` = pairs / (step_ms + reference_ms / reference_epochs): the reference pass, run
-    once before the first step, spread over the pairs it serves in the run's epochs. Their `tokens` are the pairs' tokens as ligertune lays them out (the prompt once), for
-    every row, peers included, so tokens/s and MFU compare as pairs/s do.
+    once before the first step, spread over the pairs it serves in the run's epochs. Their `tokens`
+    are the pairs' tokens as ligertune lays them out (the prompt once), for every row, peers
+    included, so tokens/s and MFU compare as pairs/s do.
     """
 
     name: str

@@ -178,7 +178,7 @@ def test_pair_options_on_an_sft_recipe_are_refused(tmp_path):
     path.write_text(RECIPE.replace("objective:\n  name: dpo\n", "").replace("  format: paired\n", ""))
     result = run_cli(str(path), "--pairs", "2", "--answer-len", "3", "--epochs", "2")
     assert result.exit_code == 2
-    assert "--pairs, --answer-len, --epochs: these shape preference pairs; the recipe's objective is sft" in (
+    assert "--pairs, --answer-len, --epochs: these are for preference pairs; the recipe's objective is sft" in (
         " ".join(result.output.split()))
 
 

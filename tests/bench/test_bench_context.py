@@ -120,7 +120,7 @@ def test_a_failure_other_than_memory_ends_the_search(recipe_file, tmp_path, monk
 @pytest.mark.parametrize("args, message", [
     (["--max-context", "32"], "--max-context 32: below data.max_seq_len=48"),
     (["--max-context", "4096", "--memory-cap", "8"], "--max-context and --memory-cap: one search at a time"),
-    (["--max-context", "4096", "--pairs", "2"], "--pairs: these shape preference pairs"),
+    (["--max-context", "4096", "--pairs", "2"], "--pairs: these are for preference pairs"),
     (["--max-context", "4096", "--device-memory", "79"], "--device-memory: caps a CUDA device's memory; the "
                                                           "device here is cpu"),
 ])

@@ -110,12 +110,11 @@ def test_epochs_spread_the_reference_pass_over_the_pairs_of_every_epoch(tmp_path
     assert ours["pairs_per_s"] == pytest.approx(2 / ((ours["step_ms"] + ours["reference_ms"] / 3) * 1e-3))
     assert "pairs / (step ms + reference ms / 3), the reference pass spread over the pairs it serves in 3 " \
            "epochs" in " ".join(result.output.split())
-    recipe = load_recipe(write(tmp_path))
-    one = run_step_bench(recipe, StepBenchConfig(steps=1, warmup=0, measure_matmul=False, peers=False))
-    f = StepFlops.of(build_model(recipe.model, device="cpu", vocab_size=311))
-    # The reference's forward over a pack: the prompt (32 queries, 32 keys), each answer (16 queries, 48 keys).
-    reference = 2.0 * f.matmul_params * 2 * 64 + 2.0 * f.layers * f.heads * f.head_dim * 2 * (32 * 32 + 2 * 16 * 48)
-    assert one.rows[0].flops - ours["flops"] == pytest.approx(reference * (1 - 1 / 3))
+    f = StepFlops.of(build_model(load_recipe(write(tmp_path)).model, device="cpu", vocab_size=311))
+    # Each pack's segments: the prompt (32 queries, 32 keys), each answer (16 queries, 48 keys).
+    squared = 2 * (32 * 32 + 2 * 16 * 48)
+    reference = 2.0 * f.matmul_params * 2 * 64 + 2.0 * f.layers * f.heads * f.head_dim * squared
+    assert ours["flops"] == pytest.approx(f(2 * 64, squared) + reference / 3)
 
 
 def test_pair_options_shape_the_pairs_and_packing_follows_the_recipe(tmp_path, no_peers):

@@ -553,13 +553,13 @@ def _varlen_attention(
     def flat(x: torch.Tensor) -> torch.Tensor:
         return x.transpose(1, 2).reshape(-1, x.shape[1], head_dim)
 
-    options: dict[str, Any] = {}
-    if "enable_gqa" in params:
-        options["enable_gqa"] = groups > 1
-    elif groups > 1 and sliding_window is None and _grouped_flash_available():
+    if "enable_gqa" not in params and groups > 1 and sliding_window is None and _grouped_flash_available():
         out = _GroupedFlashVarlen.apply(flat(query), flat(key), flat(value), cu_seqlens, cu_seqlens_k,
                                         max_len, int(max_len_k), scaling)
         return out.view(batch, seq_len, heads, head_dim)
+    options: dict[str, Any] = {}
+    if "enable_gqa" in params:
+        options["enable_gqa"] = groups > 1
     else:
         key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
     if "scale" in params:

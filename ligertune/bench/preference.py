@@ -160,9 +160,13 @@ def pair_flops(model, packs: list[PreferencePack], *, reference: float) -> float
 class PreferenceStepBench(StepBench):
     """`StepBench` for a preference recipe: ligertune's step and TRL's, in pairs per second."""
 
+    @property
+    def epochs(self) -> int:
+        """The epochs over which the reference pass is spread (`--epochs`, 1 unless given)."""
+        return self.config.epochs or 1
+
     def run(self, *, ligertune: bool = True, peers: bool = True) -> None:
         self.shape = pair_shape(self.recipe, self.config)
-        self.epochs = self.config.epochs or 1
         if ligertune:
             self._guarded(LIGERTUNE, "synthetic", self._ligertune)
         if peers:

@@ -45,6 +45,9 @@ class Objective(Protocol):
     """The names of the sums `forward` returns, in a fixed order (they travel stacked in one tensor)."""
     trained_tokens: str
     """The sum that counts the step's trained tokens (what `trained_tokens_per_s` is of)."""
+    units: tuple[str, str] | None
+    """What the run's rate is given in besides tokens: the sum that counts them and their name, the
+    record's `<name>_per_s` (("n_pairs", "pairs") for the paired preference losses); None: tokens only."""
     held_out: tuple[str, ...]
     """The metrics of `summarize` reported on held-out data too (as `eval_<name>`)."""
 

@@ -65,6 +65,7 @@ class Distill:
     name = "distill"
     sums = ("loss", "divergence", "ce", "teacher_ce", "n_correct", "teacher_correct", "n_tokens")
     trained_tokens = "n_tokens"
+    units = None
     held_out = ("loss", "divergence", "ce", "token_accuracy", "teacher_ce", "teacher_accuracy")
 
     def __init__(self, loss: LossConfig, options: DivergenceOptions):

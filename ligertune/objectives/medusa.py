@@ -96,6 +96,7 @@ class Medusa:
 
     name = "medusa"
     trained_tokens = "lm_tokens"
+    units = None
 
     def __init__(self, loss: LossConfig, options: MedusaOptions):
         self.loss = loss

@@ -440,6 +440,7 @@ class Preference:
     def __init__(self, cfg: PreferenceConfig):
         self.cfg = cfg
         self.kto = cfg.loss == "kto"
+        self.units = ("n_pairs", "examples" if self.kto else "pairs")  # `examples_per_s`, `pairs_per_s`
         self.reference: Callable[[PreferenceBatch], torch.Tensor] | None = None
         """Scores a batch's answers with the reference model when its packs carry no precomputed
         sums (`objective.reference: live`, `ligertune.objectives.reference.LiveReference`)."""

@@ -25,6 +25,7 @@ class SFT:
     name = "sft"
     sums = ("loss", "z_loss", "n_correct", "n_tokens")
     trained_tokens = "n_tokens"
+    units = None
     held_out = ("loss", "token_accuracy")
 
     def __init__(self, cfg: LossConfig):

@@ -108,6 +108,8 @@ class StepStats:
     """Trained tokens (the objective's `trained_tokens`)."""
     real_tokens: int
     """Non-padding tokens that went through the model."""
+    units: int
+    """The objective's units trained (`Objective.units`: pairs, KTO examples; 0 where it has none)."""
     flops: float
     """The step's model flops (`ligertune.flops`), every rank's together."""
     lr: float

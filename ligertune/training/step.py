@@ -187,8 +187,10 @@ def train_step(run: Run, batches: list[Batch | PaddedBatch]) -> StepStats:
         run.scheduler.step()
         run.optimizer.zero_grad(set_to_none=True)
     state.step += 1
+    units = run.objective.units
     return StepStats(
         metrics=metrics, tokens=int(sums[run.objective.trained_tokens]), real_tokens=int(n_real),
+        units=int(sums[units[0]]) if units else 0,
         flops=run.step_flops(int(n_real), int(squares)), lr=lr, grad_norm=norm, skipped=skipped,
         clipped=int(n_clipped), spike=spike, news=planner.pop_news() if planner else None,
     )

@@ -1,4 +1,5 @@
-"""The throughput a run reports: tokens (and model flops) over the wall clock of a logging window."""
+"""The throughput a run reports: tokens, the objective's units (pairs, examples) and model flops over
+the wall clock of a logging window."""
 
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ class Rates:
     tokens_per_s: float  # real (non-padding) tokens through the model
     trained_tokens_per_s: float  # supervised tokens
     mfu: float | None  # model flops per second over the peak; None when the peak is unknown
+    units_per_s: float = 0.0  # the objective's units (`Objective.units`: preference pairs, KTO examples)
 
 
 class Throughput:
-    """Tokens and model flops per second over a logging window.
+    """Tokens, units and model flops per second over a logging window.
 
     Wall clock with the device synchronized at both ends of the window (so the GPU's queued work is
     counted, not the host's launching of it), minus the time spent in evaluation and checkpoints,
@@ -39,13 +41,14 @@ class Throughput:
     def start(self) -> None:
         synchronize(self.device)
         self._start, self._excluded = self.clock(), 0.0
-        self.real_tokens = self.trained_tokens = 0
+        self.real_tokens = self.trained_tokens = self.units = 0
         self.flops = 0.0
 
-    def add(self, real_tokens: int, trained_tokens: int, flops: float = 0.0) -> None:
+    def add(self, real_tokens: int, trained_tokens: int, flops: float = 0.0, units: int = 0) -> None:
         self.real_tokens += real_tokens
         self.trained_tokens += trained_tokens
         self.flops += flops
+        self.units += units
 
     @contextlib.contextmanager
     def excluded(self) -> Iterator[dict]:
@@ -65,6 +68,6 @@ class Throughput:
         synchronize(self.device)
         elapsed = max(self.clock() - self._start - self._excluded, 1e-9)
         mfu = self.flops / elapsed / (self.peak_tflops * 1e12) if self.peak_tflops else None
-        rates = Rates(self.real_tokens / elapsed, self.trained_tokens / elapsed, mfu)
+        rates = Rates(self.real_tokens / elapsed, self.trained_tokens / elapsed, mfu, self.units / elapsed)
         self.start()
         return rates

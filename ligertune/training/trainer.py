@@ -393,7 +393,7 @@ def check_not_diverged(run: Run) -> None:
 def log(run: Run, stats: StepStats) -> dict | None:
     """Count the step's tokens; every `log_every` steps, at the last step and at every skipped or
     spiking step write its metrics record (and a spike's record to spikes.jsonl)."""
-    run.meter.add(stats.real_tokens, stats.tokens, stats.flops)
+    run.meter.add(stats.real_tokens, stats.tokens, stats.flops, stats.units)
     step = run.state.step
     if stats.spike is not None:
         write_spike(run, stats)
@@ -411,6 +411,8 @@ def log(run: Run, stats: StepStats) -> dict | None:
         "trained_tokens_per_s": rates.trained_tokens_per_s,
         "peak_mem_gib": run_peak_memory_gib(run),
     }
+    if run.objective.units:
+        record[f"{run.objective.units[1]}_per_s"] = rates.units_per_s
     if rates.mfu is not None:
         record["mfu"] = rates.mfu
     if run.checkpointing is not None:

@@ -22,7 +22,8 @@ from ligertune.training import RunInterrupted, TrainingDiverged, cleanup, setup,
 from ligertune.training import checkpoint as checkpoint_module
 from ligertune.training.checkpoint import latest_checkpoint, load_trainer_state
 
-TIMINGS = ("tokens_per_s", "trained_tokens_per_s", "eval_s", "save_s", "peak_mem_gib")
+TIMINGS = ("tokens_per_s", "trained_tokens_per_s", "pairs_per_s", "examples_per_s", "eval_s", "save_s",
+           "peak_mem_gib")
 # 16 packs of the tiny data, 4 packs a step: an epoch is 4 steps, so step 5 is inside the second.
 STEPS, STOP_AT = 8, 5
 

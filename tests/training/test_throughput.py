@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from rich.console import Console
-from tiny_recipe import write_recipe
+from tiny_recipe import unpaired_records, write_preference_recipe, write_recipe
 
 import ligertune.training.trainer as trainer_module
 from ligertune.flops import StepFlops
@@ -41,6 +41,18 @@ def test_throughput_excludes_the_time_set_apart():
     clock.now += 1.0
     meter.add(10, 5)
     assert meter.lap() == Rates(10.0, 5.0, None)  # a new window
+
+
+def test_units_are_counted_over_the_window_like_tokens():
+    clock = FakeClock()
+    meter = Throughput(torch.device("cpu"), clock)
+    meter.add(100, 50, units=3)
+    clock.now += 1.0
+    meter.add(100, 50, units=5)
+    clock.now += 1.0
+    assert meter.lap() == Rates(100.0, 50.0, None, 4.0)
+    clock.now += 2.0
+    assert meter.lap().units_per_s == 0.0  # a new window, nothing added
 
 
 def test_mfu_is_the_window_flops_over_the_peak():
@@ -102,3 +114,40 @@ def test_train_reports_tokens_per_second_of_the_window(tmp_path: Path, monkeypat
     # real tokens are the packs' tokens, with no padding
     assert sum(s.real_tokens for s in steps_taken) == sum(
         len(p) for p in run.stream.order(0)[:16])
+
+
+@pytest.mark.parametrize("objective", ["dpo", "kto"])
+def test_a_preference_run_reports_its_pairs_or_examples_per_second(tmp_path: Path, monkeypatch,
+                                                                   objective: str):
+    """Each step takes 0.5 s of the fake clock: `pairs_per_s` (KTO: `examples_per_s`) is the window's
+    pairs over its steps' time, every micro-batch of every step counted, and the progress line shows it."""
+    from ligertune.objectives.preference import num_pairs
+    from ligertune.training.display import format_metrics
+
+    clock = FakeClock()
+    pairs = []
+    real_train_step = trainer_module.train_step
+
+    def timed_step(run, batches):
+        stats = real_train_step(run, batches)
+        clock.now += 0.5
+        pairs.append(sum(num_pairs(b) for b in batches))
+        return stats
+
+    monkeypatch.setattr(trainer_module, "train_step", timed_step)
+    kto = {"make_records": unpaired_records, "objective": {"name": "kto"},
+           "data": {"format": "unpaired"}} if objective == "kto" else {}
+    path = write_preference_recipe(tmp_path, train={"max_steps": 4, "log_every": 2}, **kto)
+    run = setup(load_recipe(path), Console(quiet=True), clock=clock)
+    try:
+        train_loop(run)
+    finally:
+        cleanup(run)
+    records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    units = "examples" if objective == "kto" else "pairs"
+    assert [r["step"] for r in records] == [2, 4] and all(pairs)
+    for record, window in zip(records, (pairs[0:2], pairs[2:4])):
+        assert record[f"{units}_per_s"] == pytest.approx(sum(window) / 1.0)
+        assert f"{record[f'{units}_per_s']:,.2f} {units}/s" in format_metrics(record)
+    other = "pairs" if objective == "kto" else "examples"
+    assert not any(f"{other}_per_s" in r for r in records)

@@ -641,8 +641,9 @@ class VarlenSegments:
     pack) and the keys `key_index[cu_seqlens_k[s]:cu_seqlens_k[s+1]]` (rows of the pack: gather K and
     V by `key_index`). Attention is causal aligned to the end, as FlashAttention's is when there are
     more keys than queries: query j of a segment of q queries and k keys sees keys 0 .. k - q + j.
-    A prompt is one segment (its own keys); each answer of a pair is one segment whose keys are the
-    prompt's rows then its own; a KTO unit is one plain causal segment.
+    A prompt and its first answer are one plain causal segment; each further answer (a pair's
+    rejected one, a KTO example's mismatched completion) is one segment whose keys are the prompt's
+    rows then its own.
     """
 
     cu_seqlens_q: list[int]
@@ -654,19 +655,19 @@ class VarlenSegments:
 
 def varlen_segments(prompt_lens: Sequence[int], answer_lens: Sequence[Sequence[int]]) -> VarlenSegments:
     """The segments of units laid end to end, unit u being a prompt of `prompt_lens[u]` tokens then
-    answers of `answer_lens[u]` tokens: a unit of one answer is one causal segment; otherwise the
-    prompt is one, and each answer one more whose keys are the prompt's rows then its own."""
+    answers of `answer_lens[u]` tokens: the prompt and the first answer are one causal segment (the
+    prompt's rows see only the prompt before them, as if alone), and each further answer one more
+    whose keys are the prompt's rows then its own. The prompt's keys are thus gathered once for each
+    answer after the first, not for the prompt's own rows too."""
     cu_q, cu_k, keys = [0], [0], []
     offset = 0
     for p, lens in zip(prompt_lens, answer_lens):
-        if len(lens) == 1:  # prompt + one answer: plain causal
-            segments = [(offset + p + lens[0], [range(offset, offset + p + lens[0])])]
-        else:
-            segments = [(offset + p, [range(offset, offset + p)])]
-            start = offset + p
-            for n in lens:
-                segments.append((start + n, [range(offset, offset + p), range(start, start + n)]))
-                start += n
+        first = offset + p + (lens[0] if lens else 0)
+        segments = [(first, [range(offset, first)])]
+        start = first
+        for n in lens[1:]:
+            segments.append((start + n, [range(offset, offset + p), range(start, start + n)]))
+            start += n
         for q_end, key_ranges in segments:
             cu_q.append(q_end)
             for r in key_ranges:

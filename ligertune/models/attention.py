@@ -41,9 +41,9 @@ differ: segment s has the query rows `cu_seq_lens_q[s]:cu_seq_lens_q[s+1]` and t
 q queries and k keys sees keys 0 .. k - q + j, FlashAttention's convention):
 
     rows        p0 p1 p2 c0 c1 c2 r0 r1          positions 0 1 2 3 4 5 3 4
-    segments    q: p0..p2  c0..c2  r0..r1
-                k: p0..p2  p0..p2 c0..c2  p0..p2 r0..r1
-    key_index   [0 1 2  0 1 2 3 4 5  0 1 2 6 7]
+    segments    q: p0..c2               r0..r1
+                k: p0 p1 p2 c0 c1 c2    p0..p2 r0..r1
+    key_index   [0 1 2 3 4 5  0 1 2 6 7]
 
 The function gathers the key and value rows by `key_index`, then runs the varlen kernel with the two
 sets of boundaries (CUDA, half precision, where torch's `varlen_attn` runs FlashAttention, whose

@@ -113,6 +113,7 @@ def squared_lengths(batch: Batch | PaddedBatch) -> int | torch.Tensor:
         lengths = batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]  # on the host
         return int(lengths.long().square().sum())
     if isinstance(batch, PreferenceBatch):  # each segment's queries times its keys, on the host
+        # (a prompt with its first answer: one causal segment, counted as a conversation is)
         queries = batch.cu_seqlens_q[1:] - batch.cu_seqlens_q[:-1]
         keys = batch.cu_seqlens_k[1:] - batch.cu_seqlens_k[:-1]
         return int((queries.long() * keys.long()).sum())

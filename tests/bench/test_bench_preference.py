@@ -111,8 +111,9 @@ def test_epochs_spread_the_reference_pass_over_the_pairs_of_every_epoch(tmp_path
     assert "pairs / (step ms + reference ms / 3), the reference pass spread over the pairs it serves in 3 " \
            "epochs" in " ".join(result.output.split())
     f = StepFlops.of(build_model(load_recipe(write(tmp_path)).model, device="cpu", vocab_size=311))
-    # Each pack's segments: the prompt (32 queries, 32 keys), each answer (16 queries, 48 keys).
-    squared = 2 * (32 * 32 + 2 * 16 * 48)
+    # Each pack's segments: the prompt and the chosen answer (48 queries, 48 keys), the rejected answer
+    # (16 queries, 48 keys).
+    squared = 2 * (48 * 48 + 16 * 48)
     reference = 2.0 * f.matmul_params * 2 * 64 + 2.0 * f.layers * f.heads * f.head_dim * squared
     assert ours["flops"] == pytest.approx(f(2 * 64, squared) + reference / 3)
 
@@ -247,8 +248,9 @@ def test_kto_recipe_is_timed_in_examples_with_its_kl_pass_counted(tmp_path, no_p
     def forward(tokens: int, squared: int) -> float:
         return 2.0 * f.matmul_params * tokens + 2.0 * f.layers * f.heads * f.head_dim * squared
 
-    # The reference's pack: the prompt (32 queries, 32 keys), each completion (16 queries, 48 keys).
-    whole = 4 * (32 * 32 + 2 * 16 * 48)
+    # The reference's pack: the prompt and the completion (48 queries, 48 keys), the mismatched
+    # completion (16 queries, 48 keys).
+    whole = 4 * (48 * 48 + 16 * 48)
     assert ours["flops"] == pytest.approx(f(trained, 48 * trained) + forward(mismatched, 48 * mismatched)
                                           + forward(4 * 64, whole))
     assert "4 examples a step, each a prompt of 32 tokens and a completion and a mismatched completion of 16" in (

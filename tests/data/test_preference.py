@@ -41,7 +41,7 @@ from ligertune.data import (
 from ligertune.data import preference as preference_module
 from ligertune.data.chat import render
 from ligertune.data.formats import RecordError, detect_format, detect_preference_format
-from ligertune.data.preference import make_preference_pack, mismatch_completions
+from ligertune.data.preference import make_preference_pack, mismatch_completions, varlen_segments
 from ligertune.errors import DataError
 
 QUICKSTART_TOKENIZER = Path(__file__).resolve().parents[2] / "recipes" / "quickstart" / "tokenizer"
@@ -551,6 +551,17 @@ def varlen_mask(pack) -> torch.Tensor:
                 mask[row, key] = True
     assert v.max_seqlen_q == max(b - a for a, b in zip(v.cu_seqlens_q, v.cu_seqlens_q[1:]))
     return mask
+
+
+def test_a_prompt_and_its_first_answer_are_one_causal_segment():
+    """The module docstring's pair (prompt p0..p2, answers c0..c2 and r0 r1), then a unit of one
+    answer and a stand-in unit with none: the first answer shares its prompt's causal segment, so the
+    prompt's keys are gathered once more for the second answer only, and no segment is empty."""
+    v = varlen_segments([3, 2, 1], [(3, 2), (4,), ()])
+    assert v.cu_seqlens_q == [0, 6, 8, 14, 15]
+    assert v.cu_seqlens_k == [0, 6, 11, 17, 18]
+    assert v.key_index == [0, 1, 2, 3, 4, 5, 0, 1, 2, 6, 7, *range(8, 14), 14]
+    assert (v.max_seqlen_q, v.max_seqlen_k) == (6, 6)
 
 
 @pytest.mark.parametrize("kto", [False, True], ids=["pairs", "kto"])

@@ -31,7 +31,7 @@ def format_metrics(record: dict) -> str:
         parts.append(f"eval {record['eval_loss']:.4f}")
     parts.append(f"lr {record['lr']:.2e}")
     parts.append(f"grad {record['grad_norm']:.3f}")
-    for units in ("pairs", "examples"):  # preference objectives: their own rate first
+    for units in ("pairs", "examples"):  # preference objectives: their own rate, before the tokens'
         if f"{units}_per_s" in record:
             parts.append(f"{record[f'{units}_per_s']:,.2f} {units}/s")
     parts.append(f"{record['tokens_per_s']:,.0f} tok/s")

@@ -55,9 +55,11 @@ from ligertune.errors import UserError
 from ligertune.files import write_atomic_text
 
 REFERENCE_FILE = "reference_logps.json"
-FORMAT = 3
+FORMAT = 4
 """Part of the cache key: 3 since a KTO example is scored whole again (its prompt once, then its
-completion and its mismatched completion, each attending to the prompt alone)."""
+completion and its mismatched completion, each attending to the prompt alone); 4 since a prompt and
+its first answer are one attention segment (`data.preference.varlen_segments`), whose kernel may
+round those rows' values otherwise than the three segments before it did."""
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".json", ".model")
 """The files of a model folder that decide its outputs (weights, configs, quantization)."""
 

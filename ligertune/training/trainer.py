@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import resource
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -562,6 +563,22 @@ def held_out_trend(metrics_path: Path, names: Sequence[str]) -> list[tuple[str, 
     return rows
 
 
+def throughput(records: Sequence[dict], units: str | None) -> str | None:
+    """The median rates of a run's logged windows (`units`: the objective's, "pairs" or "examples",
+    before the tokens), or None before any window was logged."""
+    windows = [r for r in records if "tokens_per_s" in r]
+    if not windows:
+        return None
+    rates = []
+    if units is not None and all(f"{units}_per_s" in r for r in windows):
+        rates.append(f"{statistics.median(r[f'{units}_per_s'] for r in windows):,.2f} {units}/s")
+    rates.append(f"{statistics.median(r['tokens_per_s'] for r in windows):,.0f} tokens/s")
+    if all(r.get("mfu") is not None for r in windows):
+        rates.append(f"MFU {statistics.median(r['mfu'] for r in windows):.1%}")
+    plural = "s" if len(windows) > 1 else ""
+    return f"{', '.join(rates)} (median of {len(windows)} logged window{plural})"
+
+
 def show_summary(run: Run, result: TrainResult) -> None:
     rows = [("steps", str(result.steps))]
     if result.skipped_steps:
@@ -580,6 +597,11 @@ def show_summary(run: Run, result: TrainResult) -> None:
         heads = [n for n in run.objective.held_out if n.startswith("head") and n.endswith("_accuracy")]  # Medusa's
         rows += held_out_trend(run.output_dir / METRICS,
                                [n for n in run.objective.held_out if n in watched or n in heads])
+    if run.topology.is_main:
+        units = run.objective.units[1] if run.objective.units else None
+        rates = throughput(read_metrics(run.output_dir / METRICS), units)
+        if rates is not None:
+            rows.append(("throughput", rates))
     rows.append(("peak memory", f"{run_peak_memory_gib(run):.2f} GiB"))
     rows.append(("output", str(result.final_dir)))
     run.out.print(summary_table(rows))

@@ -563,7 +563,7 @@ def held_out_trend(metrics_path: Path, names: Sequence[str]) -> list[tuple[str, 
     return rows
 
 
-def throughput(records: Sequence[dict], units: str | None) -> str | None:
+def median_rates(records: Sequence[dict], units: str | None) -> str | None:
     """The median rates of a run's logged windows (`units`: the objective's, "pairs" or "examples",
     before the tokens), or None before any window was logged."""
     windows = [r for r in records if "tokens_per_s" in r]
@@ -599,7 +599,7 @@ def show_summary(run: Run, result: TrainResult) -> None:
                                [n for n in run.objective.held_out if n in watched or n in heads])
     if run.topology.is_main:
         units = run.objective.units[1] if run.objective.units else None
-        rates = throughput(read_metrics(run.output_dir / METRICS), units)
+        rates = median_rates(read_metrics(run.output_dir / METRICS), units)
         if rates is not None:
             rows.append(("throughput", rates))
     rows.append(("peak memory", f"{run_peak_memory_gib(run):.2f} GiB"))

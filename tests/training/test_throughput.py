@@ -56,17 +56,17 @@ def test_units_are_counted_over_the_window_like_tokens():
 
 
 def test_the_summary_gives_the_median_of_the_logged_windows():
-    from ligertune.training.trainer import throughput
+    from ligertune.training.trainer import median_rates
 
     records = [{"step": 0, "eval_loss": 0.7},
                {"step": 10, "loss": 0.6, "tokens_per_s": 900.0, "pairs_per_s": 9.0},
                {"step": 20, "loss": 0.5, "tokens_per_s": 5000.0, "pairs_per_s": 50.0},
                {"step": 30, "loss": 0.4, "tokens_per_s": 5400.0, "pairs_per_s": 60.0, "mfu": 0.4}]
-    assert throughput(records, "pairs") == "50.00 pairs/s, 5,000 tokens/s (median of 3 logged windows)"
-    assert throughput(records[:2], None) == "900 tokens/s (median of 1 logged window)"
-    assert throughput([r | {"mfu": 0.4} for r in records[1:3]], None) == (
+    assert median_rates(records, "pairs") == "50.00 pairs/s, 5,000 tokens/s (median of 3 logged windows)"
+    assert median_rates(records[:2], None) == "900 tokens/s (median of 1 logged window)"
+    assert median_rates([r | {"mfu": 0.4} for r in records[1:3]], None) == (
         "2,950 tokens/s, MFU 40.0% (median of 2 logged windows)")
-    assert throughput(records[:1], "pairs") is None
+    assert median_rates(records[:1], "pairs") is None
 
 
 def test_mfu_is_the_window_flops_over_the_peak():

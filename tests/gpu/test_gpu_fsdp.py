@@ -7,11 +7,10 @@ is tested on the CPU with 2 gloo processes (tests/training/test_distributed.py).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
+from cli_runs import free_port
 from test_gpu_models import MAX_SEQ_LEN, SMALL_LLAMA, conversations
 
 from ligertune.data.batching import collate
@@ -30,8 +29,7 @@ pytestmark = pytest.mark.gpu
 def nccl_group_of_one():
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    port = os.environ.get("LIGERTUNE_TEST_PORT", "29533")
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             device_id=device)
     yield device
     destroy_process_group()

@@ -66,8 +66,6 @@ def train(
     from ligertune.distributed import PeersLost, Rendezvous, hand_over, is_main_process, launch, reports_lost
     from ligertune.recipe import load_recipe
     from ligertune.slurm import slurm_step
-    from ligertune.training import RunInterrupted
-    from ligertune.training import train as run_training
 
     overrides = list(set_ or [])
     if output_dir is not None:  # quoted: a folder name is text, never YAML ("runs/#1", "[x]")
@@ -129,6 +127,10 @@ def train(
         except PeersLost as lost:  # this node's one line: its processes said nothing of it
             raise EnvironmentFault(after_lost(lost, Path(checked.output.dir), resume_command)) from None
         raise typer.Exit(code)
+    # Imported here: a launcher of processes needs none of it (it would cost each launch seconds).
+    from ligertune.training import RunInterrupted
+    from ligertune.training import train as run_training
+
     console = Console()
 
     def report_lost(lost: PeersLost) -> None:

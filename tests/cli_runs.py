@@ -141,14 +141,28 @@ def process_of_rank(launcher: subprocess.Popen, rank: int) -> int:
     return found[0]
 
 
-def two_processes_resumed_and_one(recipe: Path, folder: Path, *, stop_after: int) -> tuple[Path, Path]:
-    """Train `recipe` (its `train.grad_accum_steps` 1) with 2 processes into `folder/two`, stopped after
-    step `stop_after` and continued with `--resume`, and straight with 1 process and twice the
-    accumulation into `folder/one`: the two run folders, whose steps should match."""
-    two, one = folder / "two", folder / "one"
-    for args in (("--nproc", "2", "-o", str(two), "--set", f"train.max_steps={stop_after}"),
-                 ("--nproc", "2", "-o", str(two), "--resume"),
-                 ("-o", str(one), "--set", "train.grad_accum_steps=2")):
-        result = ligertune("train", str(recipe), *args)
-        assert result.returncode == 0, result.stderr[-3000:]
-    return two, one
+def train_here(*args: str | Path) -> str:
+    """`ligertune train ARGS` in this process (one process; no interpreter to start): what it printed."""
+    from typer.testing import CliRunner
+
+    from ligertune.cli.main import app
+
+    result = CliRunner().invoke(app, ["train", *map(str, args)])
+    assert result.exit_code == 0, result.output[-3000:] + repr(result.exception)
+    return result.output
+
+
+def two_processes_then_one(recipe: Path, folder: Path, *, save_at: int) -> tuple[Path, Path, Path]:
+    """Train `recipe` (its `train.grad_accum_steps` 1) with 2 processes into `folder/two`, with a
+    checkpoint after step `save_at`; continue a copy of that run (`folder/resumed`) from the
+    checkpoint with 1 process and twice the accumulation; and train straight with 1 process and twice
+    the accumulation into `folder/one`. The three run folders, whose steps should match: `two`'s
+    final model is the one its 2 processes gathered from their shards."""
+    two, resumed, one = folder / "two", folder / "resumed", folder / "one"
+    result = ligertune("train", str(recipe), "--nproc", "2", "-o", str(two), "--set", f"train.save_every={save_at}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    shutil.copytree(two, resumed, ignore=shutil.ignore_patterns("final"))
+    once = ("--set", "train.grad_accum_steps=2")
+    train_here(recipe, "-o", resumed, "--resume", resumed / "checkpoints" / f"step-{save_at:06d}", *once)
+    train_here(recipe, "-o", one, *once)
+    return two, resumed, one

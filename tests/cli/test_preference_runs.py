@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from cli_runs import ligertune
+from cli_runs import two_processes_then_one
 from tiny_recipe import write_preference_recipe
 from typer.testing import CliRunner
 
@@ -56,25 +56,21 @@ def test_a_lora_dpo_run_reports_merges_and_chats(tmp_path: Path):
 
 
 def test_two_processes_train_and_resume_a_dpo_run_as_one_process(tmp_path: Path):
-    """2 processes, stopped after a checkpoint and resumed, log the losses of one straight process."""
+    """2 processes, and their checkpoint resumed by 1 (the reference log-probabilities read back from
+    the run's folder), log the losses of one straight process."""
     path = write_preference_recipe(tmp_path, optim={"schedule": "constant"},
-                                   train={"max_steps": 4, "save_every": 2, "eval_every": 2,
-                                          "micro_batch_size": 2, "grad_accum_steps": 1})
-    two = tmp_path / "two"
-    result = ligertune("train", str(path), "--nproc", "2", "-o", str(two), "--set", "train.max_steps=3")
-    assert result.returncode == 0, result.stderr[-3000:]
-    result = ligertune("train", str(path), "--nproc", "2", "-o", str(two), "--resume")
-    assert result.returncode == 0, result.stderr[-3000:]
-    invoke("train", path, "-o", tmp_path / "one", "--set", "train.grad_accum_steps=2")
+                                   train={"max_steps": 4, "eval_every": 2, "micro_batch_size": 2,
+                                          "grad_accum_steps": 1})
+    two, resumed, one = two_processes_then_one(path, tmp_path, save_at=2)
 
     def train_records(run_dir: Path) -> list[dict]:
         return [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
 
-    one = train_records(tmp_path / "one")
-    assert [r["step"] for r in train_records(two)] == [1, 2, 3, 4]
-    for mine, reference in zip(train_records(two), one):
-        assert mine["loss"] == pytest.approx(reference["loss"], rel=1e-5)
-        assert mine["reward_margin"] == pytest.approx(reference["reward_margin"], rel=1e-4, abs=1e-6)
+    assert [r["step"] for r in train_records(two)] == [r["step"] for r in train_records(resumed)] == [1, 2, 3, 4]
+    for run in (two, resumed):
+        for mine, reference in zip(train_records(run), train_records(one), strict=True):
+            assert mine["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+            assert mine["reward_margin"] == pytest.approx(reference["reward_margin"], rel=1e-4, abs=1e-6)
     assert any("eval_reward_accuracy" in r for r in read_metrics(two / "metrics.jsonl"))
 
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
-from cli_runs import failed_launch, ligertune, torchrun
+from cli_runs import failed_launch, ligertune, torchrun, two_processes_then_one
 from distributed_lora_dtypes import one_step
 from distributed_step import MODES, step_gradients
 from rich.console import Console
@@ -155,42 +154,28 @@ def test_lora_under_fsdp_shards_a_bf16_base_beside_float32_adapters(tmp_path: Pa
 
 
 def test_two_process_runs_train_save_resume_and_reload_as_one(tmp_path: Path):
-    """Metrics and the final model of a 2-process run equal one process's; a 2-process checkpoint
-    resumes at 2 processes and at 1, to the same end."""
-    path = write_recipe(tmp_path, train={"max_steps": 4, "save_every": 2, "eval_every": 2,
-                                         "micro_batch_size": 2, "grad_accum_steps": 1},
+    """Metrics and the final model of a 2-process run equal one process's, and so do those of its
+    checkpoint resumed by 1 process with twice the accumulation (2 processes resuming 2 processes'
+    checkpoint: tests/training/test_distributed_resume.py)."""
+    path = write_recipe(tmp_path, train={"max_steps": 4, "eval_every": 2, "micro_batch_size": 2,
+                                         "grad_accum_steps": 1},
                         optim={"schedule": "constant"})
-    two = tmp_path / "two"
-    result = ligertune("train", str(path), "--nproc", "2", "-o", str(two), "--set", "train.max_steps=3")
-    assert result.returncode == 0, result.stderr[-3000:]
+    two, resumed, one = two_processes_then_one(path, tmp_path, save_at=2)
     assert (two / "checkpoints" / "step-000002" / "optimizer" / ".metadata").exists()
-    # Continue at 2 processes ...
-    result = ligertune("train", str(path), "--nproc", "2", "-o", str(two), "--resume")
-    assert result.returncode == 0, result.stderr[-3000:]
-    # ... and the same checkpoint at 1 process with twice the accumulation.
-    one_from_two = tmp_path / "one-from-two"
-    (one_from_two / "checkpoints").mkdir(parents=True)
-    os.symlink(two / "checkpoints" / "step-000002", one_from_two / "checkpoints" / "step-000002")
-    train_in_one_process(path, f"output.dir={one_from_two}", "train.grad_accum_steps=2",
-                         resume=two / "checkpoints" / "step-000002")
-    straight = train_in_one_process(path, f"output.dir={tmp_path / 'one'}", "train.grad_accum_steps=2")
 
     def train_records(run_dir: Path) -> list[dict]:
         return [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
 
-    one_records = {r["step"]: r for r in train_records(tmp_path / "one")}
-    assert [r["step"] for r in train_records(two)] == [1, 2, 3, 4]
-    assert [r["step"] for r in train_records(one_from_two)] == [3, 4]
-    for records in (train_records(two), train_records(one_from_two)):
-        for mine in records:
-            reference = one_records[mine["step"]]
+    assert [r["step"] for r in train_records(two)] == [r["step"] for r in train_records(resumed)] == [1, 2, 3, 4]
+    for records in (train_records(two), train_records(resumed)):
+        for mine, reference in zip(records, train_records(one), strict=True):
             assert mine["tokens"] == reference["tokens"]
             assert mine["loss"] == pytest.approx(reference["loss"], rel=1e-5)
             assert mine["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-4)
-    # The final model, gathered from the shards, reloads in Hugging Face format and matches.
-    ids = torch.tensor([straight.eval_examples[0].input_ids])
-    expected = AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "final")(input_ids=ids).logits
-    for final in (two / "final", one_from_two / "final"):
+    # The final models, the first gathered from the shards, reload in Hugging Face format and match.
+    ids = torch.arange(3, 40).unsqueeze(0)
+    expected = AutoModelForCausalLM.from_pretrained(one / "final")(input_ids=ids).logits
+    for final in (two / "final", resumed / "final"):
         logits = AutoModelForCausalLM.from_pretrained(final)(input_ids=ids).logits
         assert relative_error(logits, expected) < 1e-4, final
 

@@ -1,5 +1,6 @@
 """Distillation over 2 gloo processes, the teacher sharded like the student: verify-loss deals the
-step out exactly, and a run stopped after a checkpoint and resumed logs the losses of one process."""
+step out exactly, and a run of 2 processes, and its checkpoint resumed by 1, log the losses of one
+process."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from cli_runs import two_processes_resumed_and_one
+from cli_runs import two_processes_then_one
 from test_distributed import ligertune
 from tiny_recipe import write_distill_recipe
 
@@ -28,14 +29,15 @@ def test_two_processes_distil_and_resume_as_one_process(tmp_path: Path):
     path = write_distill_recipe(tmp_path, optim={"schedule": "constant", "lr": 1e-2},
                                 train={"max_steps": 4, "save_every": 2, "eval_every": 2,
                                        "micro_batch_size": 2, "grad_accum_steps": 1})
-    two, one = two_processes_resumed_and_one(path, tmp_path, stop_after=3)
+    two, resumed, one = two_processes_then_one(path, tmp_path, save_at=2)
 
     def steps(run: Path) -> list[dict]:
         return [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
 
-    assert [r["step"] for r in steps(two)] == [1, 2, 3, 4]
-    for mine, reference in zip(steps(two), steps(one), strict=True):
-        for key in ("loss", "divergence", "ce", "teacher_ce"):
-            assert mine[key] == pytest.approx(reference[key], rel=1e-5), (mine["step"], key)
+    assert [r["step"] for r in steps(two)] == [r["step"] for r in steps(resumed)] == [1, 2, 3, 4]
+    for run in (two, resumed):
+        for mine, reference in zip(steps(run), steps(one), strict=True):
+            for key in ("loss", "divergence", "ce", "teacher_ce"):
+                assert mine[key] == pytest.approx(reference[key], rel=1e-5), (run.name, mine["step"], key)
     evals = [r for r in read_metrics(two / "metrics.jsonl") if "eval_loss" in r]
     assert evals and all("eval_teacher_accuracy" in r for r in evals)

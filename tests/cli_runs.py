@@ -159,10 +159,14 @@ def two_processes_then_one(recipe: Path, folder: Path, *, save_at: int) -> tuple
     the accumulation into `folder/one`. The three run folders, whose steps should match: `two`'s
     final model is the one its 2 processes gathered from their shards."""
     two, resumed, one = folder / "two", folder / "resumed", folder / "one"
-    result = ligertune("train", str(recipe), "--nproc", "2", "-o", str(two), "--set", f"train.save_every={save_at}")
+    result = ligertune("train", str(recipe), "--nproc", "2", "-o", str(two),
+                       "--set", f"train.save_every={save_at}")
     assert result.returncode == 0, result.stderr[-3000:]
     shutil.copytree(two, resumed, ignore=shutil.ignore_patterns("final"))
     once = ("--set", "train.grad_accum_steps=2")
-    train_here(recipe, "-o", resumed, "--resume", resumed / "checkpoints" / f"step-{save_at:06d}", *once)
+    checkpoint = resumed / "checkpoints" / f"step-{save_at:06d}"
+    said = train_here(recipe, "-o", resumed, "--resume", checkpoint, *once)
+    at = re.search(r"resumed from .*? at step (\d+) ", " ".join(said.split()))  # however it wrapped
+    assert at and int(at.group(1)) == save_at and (resumed / "final").is_dir(), said[-3000:]
     train_here(recipe, "-o", one, *once)
     return two, resumed, one

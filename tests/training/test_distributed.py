@@ -166,7 +166,8 @@ def test_two_process_runs_train_save_resume_and_reload_as_one(tmp_path: Path):
     def train_records(run_dir: Path) -> list[dict]:
         return [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
 
-    assert [r["step"] for r in train_records(two)] == [r["step"] for r in train_records(resumed)] == [1, 2, 3, 4]
+    assert [r["step"] for r in train_records(two)] == [1, 2, 3, 4]
+    assert [r["step"] for r in train_records(resumed)] == [1, 2, 3, 4]
     for records in (train_records(two), train_records(resumed)):
         for mine, reference in zip(records, train_records(one), strict=True):
             assert mine["tokens"] == reference["tokens"]

@@ -27,8 +27,8 @@ def test_verify_loss_deals_a_distillation_step_to_two_processes(tmp_path: Path):
 
 def test_two_processes_distil_and_resume_as_one_process(tmp_path: Path):
     path = write_distill_recipe(tmp_path, optim={"schedule": "constant", "lr": 1e-2},
-                                train={"max_steps": 4, "save_every": 2, "eval_every": 2,
-                                       "micro_batch_size": 2, "grad_accum_steps": 1})
+                                train={"max_steps": 4, "eval_every": 2, "micro_batch_size": 2,
+                                       "grad_accum_steps": 1})
     two, resumed, one = two_processes_then_one(path, tmp_path, save_at=2)
 
     def steps(run: Path) -> list[dict]:

@@ -30,8 +30,8 @@ def test_verify_loss_deals_a_medusa_step_to_two_processes(tmp_path: Path):
 @pytest.mark.parametrize("backbone", ["frozen", "full"])
 def test_two_processes_train_heads_and_resume_as_one_process(tmp_path: Path, backbone: str):
     path = write_medusa_recipe(tmp_path, objective={"backbone": backbone}, optim={"schedule": "constant", "lr": 1e-2},
-                               train={"max_steps": 4, "save_every": 2, "eval_every": 2,
-                                      "micro_batch_size": 2, "grad_accum_steps": 1})
+                               train={"max_steps": 4, "eval_every": 2, "micro_batch_size": 2,
+                                      "grad_accum_steps": 1})
     two, resumed, one = two_processes_then_one(path, tmp_path, save_at=2)
 
     def steps(run: Path) -> list[dict]:

@@ -37,7 +37,8 @@ def test_a_run_continues_at_another_number_of_processes_with_the_same_steps(tmp_
     assert result.returncode == 0, result.stderr[-3000:]
     said = " ".join(result.stdout.split())
     assert "at step 2 " in said and "written by 1 process, continued by 2: grad_accum_steps 2 -> 1, 2 packs a step" in said
-    said = " ".join(train_here(path, "-o", resized, "--resume", resized / "checkpoints" / "step-000004").split())
+    printed = train_here(path, "-o", resized, "--resume", resized / "checkpoints" / "step-000004")
+    said = " ".join(printed.split())
     assert "at step 4 " in said and "written by 2 processes, continued by 1: grad_accum_steps 1 -> 2, 2 packs a step" in said
 
     expected, records = train_records(straight), train_records(resized)

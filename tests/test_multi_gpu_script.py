@@ -1,7 +1,7 @@
 """scripts/multi_gpu.py, the harness that takes every multi-GPU figure in one command.
 
 The script is run whole in its `--tiny` mode (every part: verify-loss, the scaling runs, the
-sharded run; a tiny model, 2 gloo processes, 2 to 3 minutes on 2 cores), and the figures it reports
+sharded run; a tiny model, 2 gloo processes, about a minute on 2 cores), and the figures it reports
 are recomputed here from the files its runs wrote. What those runs must compute is checked
 elsewhere (tests/training/test_distributed*.py; tests/gpu/test_multi_gpu.py on GPUs): the harness
 judges only its commands' exit codes.

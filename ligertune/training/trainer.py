@@ -546,11 +546,11 @@ def peak_memory_gib(device: torch.device) -> float:
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
-def held_out_trend(metrics_path: Path, names: Sequence[str]) -> list[tuple[str, str]]:
+def held_out_trend(records: Sequence[dict], names: Sequence[str]) -> list[tuple[str, str]]:
     """`eval <name>: first -> last` for each of the held-out metrics `names` (a preference run's
     rewards; a distilled student's own loss and accuracy; Medusa heads' accuracies and accepted
-    length), from the run's metrics file."""
-    records = [r for r in read_metrics(metrics_path) if "eval_loss" in r]
+    length), from the run's metrics records."""
+    records = [r for r in records if "eval_loss" in r]
     rows = []
     for name in names:
         values = [r[f"eval_{name}"] for r in records if f"eval_{name}" in r]
@@ -591,15 +591,15 @@ def show_summary(run: Run, result: TrainResult) -> None:
         first, last = result.eval_losses[0][1], result.eval_losses[-1][1]
         share = f" ({last / first:.0%} of the first)" if first > 0 else ""
         rows.append(("eval loss", f"{first:.4f} -> {last:.4f}{share}"))
-    if run.recipe.objective.name != "sft" and run.topology.is_main:
+    records = read_metrics(run.output_dir / METRICS) if run.topology.is_main else []  # written by rank 0
+    if run.recipe.objective.name != "sft" and records:
         watched = ("reward_accuracy", "reward_margin", "reward_desirable", "reward_undesirable", "ce",
                    "token_accuracy", "lm_accuracy", "accepted_length")
         heads = [n for n in run.objective.held_out if n.startswith("head") and n.endswith("_accuracy")]  # Medusa's
-        rows += held_out_trend(run.output_dir / METRICS,
-                               [n for n in run.objective.held_out if n in watched or n in heads])
-    if run.topology.is_main:
+        rows += held_out_trend(records, [n for n in run.objective.held_out if n in watched or n in heads])
+    if records:
         units = run.objective.units[1] if run.objective.units else None
-        rates = median_rates(read_metrics(run.output_dir / METRICS), units)
+        rates = median_rates(records, units)
         if rates is not None:
             rows.append(("throughput", rates))
     rows.append(("peak memory", f"{run_peak_memory_gib(run):.2f} GiB"))

@@ -141,15 +141,21 @@ def process_of_rank(launcher: subprocess.Popen, rank: int) -> int:
     return found[0]
 
 
-def train_here(*args: str | Path) -> str:
-    """`ligertune train ARGS` in this process (one process; no interpreter to start): what it printed."""
+def ligertune_here(*args: str | Path):
+    """`ligertune ARGS` in this process (one process; no interpreter to start), which must exit 0: its
+    result (`.output`, `.stdout`)."""
     from typer.testing import CliRunner
 
     from ligertune.cli.main import app
 
-    result = CliRunner().invoke(app, ["train", *map(str, args)])
+    result = CliRunner().invoke(app, [*map(str, args)])
     assert result.exit_code == 0, result.output[-3000:] + repr(result.exception)
-    return result.output
+    return result
+
+
+def train_here(*args: str | Path) -> str:
+    """`ligertune train ARGS` in this process: what it printed."""
+    return ligertune_here("train", *args).output
 
 
 def two_processes_then_one(recipe: Path, folder: Path, *, save_at: int) -> tuple[Path, Path, Path]:

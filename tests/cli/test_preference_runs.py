@@ -7,25 +7,16 @@ import json
 from pathlib import Path
 
 import pytest
-from cli_runs import two_processes_then_one
+from cli_runs import ligertune_here, two_processes_then_one
 from tiny_recipe import write_preference_recipe
-from typer.testing import CliRunner
 
-from ligertune.cli.main import app
 from ligertune.metrics import read_metrics
 
-runner = CliRunner()
 LORA = {"r": 4, "alpha": 8, "target_modules": "all-linear"}
 
 
-def invoke(*args):
-    result = runner.invoke(app, [str(a) for a in args])
-    assert result.exit_code == 0, result.output + str(result.exception)
-    return result
-
-
 def answer(model: Path) -> dict:
-    reply = json.loads(invoke("chat", model, "-p", "reverse plant", "-n", 6, "--json").stdout)
+    reply = json.loads(ligertune_here("chat", model, "-p", "reverse plant", "-n", 6, "--json").stdout)
     assert reply.pop("tokens_per_s") > 0  # a timing: the one field besides the model's path that may differ
     return {k: v for k, v in reply.items() if k != "model"}
 
@@ -37,7 +28,7 @@ def test_a_lora_dpo_run_reports_merges_and_chats(tmp_path: Path):
     path = write_preference_recipe(tmp_path, lora=LORA, optim={"lr": 1e-2},
                                    train={"max_steps": 4, "eval_every": 2, "spike_threshold": 6.0},
                                    output={"report_to": ["tensorboard"], "plot": True})
-    invoke("train", path)
+    ligertune_here("train", path)
     run = tmp_path / "run"
     records = read_metrics(run / "metrics.jsonl")
     steps = [r for r in records if "loss" in r]
@@ -51,7 +42,7 @@ def test_a_lora_dpo_run_reports_merges_and_chats(tmp_path: Path):
     assert (run / "loss.png").stat().st_size > 0
 
     merged = tmp_path / "merged"
-    invoke("merge", run, "--output", merged)
+    ligertune_here("merge", run, "--output", merged)
     assert answer(merged) == answer(run)
 
 
@@ -87,7 +78,7 @@ def test_dpo_trains_adapters_over_a_quantized_base(tmp_path: Path):
     path = write_preference_recipe(tmp_path, n_train=8, model=model, lora={"r": 8, "alpha": 16},
                                    optim={"lr": 1e-2, "schedule": "constant"},
                                    train={"max_steps": 10, "micro_batch_size": 8, "grad_accum_steps": 1})
-    invoke("train", path)
+    ligertune_here("train", path)
     losses = [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
     assert losses[0] == pytest.approx(math.log(2), abs=1e-5)
     assert max(losses[-3:]) < 0.9 * losses[0]

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from cli_runs import assert_resume_continues_the_run
+from cli_runs import assert_resume_continues_the_run, train_here
 from tiny_recipe import QUICKSTART, STUDENT, save_tiny_model, write_distill_recipe, write_recipe
 from typer.testing import CliRunner
 
@@ -18,11 +18,6 @@ from ligertune.recipe import load_recipe
 from ligertune.verify import verify_loss
 
 runner = CliRunner()
-
-
-def invoke(*args) -> None:
-    result = runner.invoke(app, [str(a) for a in args])
-    assert result.exit_code == 0, result.output + str(result.exception)
 
 
 def steps_of(run: Path) -> list[dict]:
@@ -79,7 +74,7 @@ def test_a_missing_teacher_is_named(tmp_path: Path):
 def test_a_run_reports_its_divergence_and_both_models(tmp_path: Path):
     path = write_distill_recipe(tmp_path, train={"max_steps": 6, "eval_every": 3, "eval_at_start": True},
                                 optim={"lr": 1e-2})
-    invoke("train", path)
+    train_here(path)
     run = tmp_path / "run"
     steps = steps_of(run)
     assert [r["step"] for r in steps] == list(range(1, 7))
@@ -104,7 +99,7 @@ def test_a_student_equal_to_its_teacher_starts_at_divergence_zero(tmp_path: Path
         path = write_distill_recipe(tmp_path / loss, teacher=teacher, objective={"loss": loss, "temperature": 2.0},
                                     model={"name_or_path": str(teacher), "config": None, "tokenizer": None},
                                     train={"max_steps": 1})
-        invoke("train", path)
+        train_here(path)
         first = steps_of(tmp_path / loss / "run")[0]
         assert abs(first["divergence"]) < 1e-6, (loss, first)
         assert first["ce"] == pytest.approx(first["teacher_ce"], rel=1e-6)
@@ -114,9 +109,9 @@ def test_a_student_equal_to_its_teacher_starts_at_divergence_zero(tmp_path: Path
 def test_alpha_one_trains_as_supervised_fine_tuning(tmp_path: Path):
     """With alpha 1 the loss is the student's cross-entropy alone: the same run as `sft`, step by step."""
     sft = write_recipe(tmp_path / "sft", model={"config": dict(STUDENT)}, train={"max_steps": 4})
-    invoke("train", sft)
+    train_here(sft)
     distill = write_distill_recipe(tmp_path / "distill", objective={"alpha": 1.0}, train={"max_steps": 4})
-    invoke("train", distill)
+    train_here(distill)
     expected, got = steps_of(tmp_path / "sft" / "run"), steps_of(tmp_path / "distill" / "run")
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in expected], rel=1e-5)
     assert [r["token_accuracy"] for r in got] == [r["token_accuracy"] for r in expected]

@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_runs import train_here
 from rich.console import Console
 from tiny_recipe import write_medusa_recipe, write_recipe
-from typer.testing import CliRunner
 
-from ligertune.cli.main import app
 from ligertune.data import IGNORE_INDEX, Pack, collate, collate_padded
 from ligertune.errors import RecipeError, UserError
 from ligertune.metrics import read_metrics
@@ -29,14 +28,6 @@ from ligertune.models.medusa import (
 )
 from ligertune.objectives.medusa import accepted_length, all_head_targets, head_targets
 from ligertune.recipe import load_recipe
-
-runner = CliRunner()
-
-
-def invoke(*args) -> str:
-    result = runner.invoke(app, [str(a) for a in args])
-    assert result.exit_code == 0, result.output + str(result.exception)
-    return result.output
 
 
 def steps_of(run: Path) -> list[dict]:
@@ -334,7 +325,7 @@ def test_a_lora_medusa_2_run_trains_both_and_merge_keeps_the_heads(tmp_path: Pat
     path = write_medusa_recipe(tmp_path, objective={"backbone": "lora", "lm_weight": 0.5},
                                lora={"r": 4, "alpha": 8, "target_modules": "all-linear"}, optim={"lr": 1e-2},
                                train={"max_steps": 3, "eval_every": 3, "eval_at_start": True})
-    invoke("train", path)
+    train_here(path)
     out = tmp_path / "run"
     steps, evals = steps_of(out), evals_of(out)
     for r in steps:  # the model's own loss is trained beside the heads'
